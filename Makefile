@@ -1,0 +1,37 @@
+# Two commands on a fresh machine: `make demo` and `make test`.
+# Set-up is idempotent: .venv is rebuilt only when pyproject.toml or constraints.txt change.
+SHELL := /bin/bash
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.furlong-installed
+PIP := $(BIN)/pip install --disable-pip-version-check -q -c constraints.txt
+export OMP_NUM_THREADS ?= 2
+export TOKENIZERS_PARALLELISM := false
+export HF_HUB_OFFLINE := 1
+export TRANSFORMERS_OFFLINE := 1
+export HF_DATASETS_OFFLINE := 1
+export RAY_USAGE_STATS_ENABLED := 0
+
+.PHONY: setup demo test test-fast docs check-claims clean
+
+$(STAMP): pyproject.toml constraints.txt
+	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	@echo "setting up $(VENV) (torch pinned to the CPU build via constraints.txt)"
+	$(PIP) -e '.[dev]'
+	@touch $(STAMP)
+
+setup: $(STAMP)
+	@command -v chromium >/dev/null || ./scripts/install-chromium.sh || echo "chromium not installed: browser tests will fail"
+
+demo: setup
+	$(BIN)/furlong demo
+
+test: setup
+	./scripts/run-tests.sh
+
+test-fast: setup
+	./scripts/run-tests.sh -m "not slow"
+
+clean:
+	rm -rf $(VENV) .pytest_cache site

@@ -1,0 +1,23 @@
+"""`furlong models create --arch A --size S --out DIR`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from furlong.models.factory import ARCHS, SIZES, create_model
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="furlong models")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    c = sub.add_parser("create", help="build a random-init model and its tokenizer locally (cached)")
+    c.add_argument("--arch", choices=ARCHS, default="qwen3")
+    c.add_argument("--size", choices=list(SIZES), default="tiny")
+    c.add_argument("--out", default=None, help="directory to write (default: the cache directory)")
+    c.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    path = create_model(args.arch, args.size, args.out, args.seed)
+    info = json.loads((path / "furlong_model.json").read_text())
+    print(f"{path}  ({info['arch']}/{info['size']}, {info['parameters'] / 1e6:.2f}M parameters)")
+    return 0

@@ -1,0 +1,1 @@
+"""Rollout: the Sample contract, generate functions, rewards, filters, buffer and manager."""
