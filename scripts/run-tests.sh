@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Runs the whole suite. pytest's exit 5 ("no tests ran") is turned into a failure,
 # and a run that collected fewer tests than the floor below fails too, so an
-# import error that silently empties a directory can never pass as green.
+# import error that silently empties a directory can never pass as green. Then the claims
+# check (python -m furlong.claims) proves the README and docs against this run.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 MIN_TESTS=${FURLONG_MIN_TESTS:-20}
@@ -13,3 +14,8 @@ if [ "$rc" -ne 0 ]; then exit "$rc"; fi
 ran=$(.venv/bin/python -c "import sys,xml.etree.ElementTree as E; r=E.parse(sys.argv[1]).getroot(); s=r if r.tag=='testsuite' else r.find('testsuite'); print(int(s.get('tests'))-int(s.get('skipped')))" "$report")
 if [ $# -eq 0 ] && [ "$ran" -lt "$MIN_TESTS" ]; then echo "FAIL: only $ran tests ran (floor $MIN_TESTS)" >&2; exit 1; fi
 echo "OK: $ran tests ran and passed"
+# Then the claims check: README/docs links and anchors, counts, figures, and every feature the
+# manifest calls working/partial proven by tests that passed in the report just written. A run
+# of part of the suite (arguments given) only fails on listed tests that ran and did not pass.
+claims=(); [ $# -eq 0 ] || claims=(--partial-run)
+.venv/bin/python -m furlong.claims --junit "$report" "${claims[@]}" || { echo "FAIL: claims check" >&2; exit 1; }

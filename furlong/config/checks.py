@@ -1,0 +1,256 @@
+"""Resolve what the user left unset, then reject every contradiction at start.
+
+`resolve` fills derived fields (algorithm presets, the batch-size invariant, the
+staleness implied by the rollout mode, run_dir), touching only fields absent from
+each section's `model_fields_set`. `check` returns every cross-field problem at
+once, each naming its dotted fields, so a user fixes a recipe in one pass instead
+of discovering one error per run. A problem is `(fields, message)`.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+from fractions import Fraction
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from furlong.config.schema import Config
+
+Problem = tuple[tuple[str, ...], str]
+
+# Values each algorithm implies, applied only where the user did not set the field.
+# The schema's own defaults are GRPO's, so a preset lists only what differs or matters.
+PRESETS: dict[str, dict[str, dict[str, Any]]] = {
+    "grpo": {"algo": {"advantage": "grpo", "norm_adv_by_std": True, "loss_reducer": "sample_mean"}},
+    "dr_grpo": {"algo": {"advantage": "dr_grpo", "norm_adv_by_std": False, "loss_reducer": "constant"}},
+    "gspo": {
+        "algo": {
+            "advantage": "grpo",
+            "ratio_type": "sequence",
+            "clip_eps_low": 3e-4,
+            "clip_eps_high": 4e-4,
+            "loss_reducer": "sample_mean",
+        }
+    },
+    "dapo": {
+        "algo": {"advantage": "grpo", "clip_eps_low": 0.2, "clip_eps_high": 0.28, "loss_reducer": "token_mean"},
+        "rollout": {"dynamic_filter": True},
+    },
+    "rloo": {"algo": {"advantage": "rloo", "norm_adv_by_std": False, "loss_reducer": "sample_mean"}},
+    "reinforce_pp": {"algo": {"advantage": "reinforce_pp", "loss_reducer": "token_mean", "kl_in_reward": True}},
+    "reinforce_pp_baseline": {"algo": {"advantage": "reinforce_pp_baseline", "loss_reducer": "token_mean"}},
+    "ppo": {"algo": {"advantage": "gae", "loss_reducer": "token_mean"}},
+    "sft": {"algo": {"advantage": "none", "loss_reducer": "token_mean"}},
+    "distill": {"algo": {"advantage": "none", "loss_reducer": "token_mean"}},
+}
+
+# The four batch fields, in the order a missing one is derived when fewer than three are given.
+BATCH_FIELDS = (
+    ("train", "global_batch_size"),
+    ("train", "num_steps_per_rollout"),
+    ("rollout", "rollout_batch_size"),
+    ("rollout", "n_samples_per_prompt"),
+)
+GROUP_ADVANTAGES = ("grpo", "dr_grpo", "rloo", "reinforce_pp_baseline")
+
+
+@functools.cache
+def cuda_available() -> bool:
+    """Imported lazily: only configs that ask for a GPU pay for importing torch."""
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def installed(module: str) -> bool:
+    return importlib.util.find_spec(module) is not None
+
+
+def _set(cfg: "Config", section: str, field: str) -> bool:
+    return field in getattr(cfg, section).model_fields_set
+
+
+def resolve(cfg: "Config") -> list[Problem]:
+    """Fill derived fields in place; returns problems found while deriving."""
+    if "run_dir" not in cfg.model_fields_set:
+        cfg.run_dir = f"runs/{cfg.name}"
+    for section, values in PRESETS[cfg.algo.name].items():
+        for field, value in values.items():
+            if not _set(cfg, section, field):
+                setattr(getattr(cfg, section), field, value)
+    algo, ro, data = cfg.algo, cfg.rollout, cfg.data
+    if algo.loss_reducer == "constant" and algo.reducer_constant is None:
+        algo.reducer_constant = float(ro.max_new_tokens)
+    if not _set(cfg, "rollout", "max_staleness"):
+        ro.max_staleness = 0 if ro.mode == "sync" else 1
+    if data.path is not None and not _set(cfg, "data", "task"):
+        data.task = None
+    if data.eval_path is None and not _set(cfg, "data", "eval_task"):
+        data.eval_task = data.task
+    return _resolve_batch(cfg)
+
+
+def _resolve_batch(cfg: "Config") -> list[Problem]:
+    """Invariant: rollout_batch_size × n_samples_per_prompt = global_batch_size × num_steps_per_rollout."""
+    dotted = [f"{s}.{f}" for s, f in BATCH_FIELDS]
+    value = {d: getattr(getattr(cfg, s), f) for d, (s, f) in zip(dotted, BATCH_FIELDS)}
+    unset = [d for d, (s, f) in zip(dotted, BATCH_FIELDS) if not _set(cfg, s, f)]
+    gbs, steps, rbs, n = dotted
+
+    def show(d: str) -> str:
+        return f"{d}={value[d]}" + (" (default)" if d in unset else "")
+
+    if not unset:
+        if value[rbs] * value[n] != value[gbs] * value[steps]:
+            return [
+                (
+                    tuple(dotted),
+                    f"{rbs} × {n} must equal {gbs} × {steps}: {show(rbs)} × {show(n)} = {value[rbs] * value[n]} "
+                    f"samples per step, but {show(gbs)} × {show(steps)} = {value[gbs] * value[steps]}; "
+                    "change one, or leave one unset to derive it",
+                )
+            ]
+        return []
+    target = unset[0]
+    produced = Fraction(value[rbs] * value[n])
+    derived = {
+        gbs: produced / value[steps],
+        steps: produced / value[gbs],
+        rbs: Fraction(value[gbs] * value[steps], value[n]),
+        n: Fraction(value[gbs] * value[steps], value[rbs]),
+    }[target]
+    if derived.denominator != 1 or derived < 1:
+        used = ", ".join(show(d) for d in dotted if d != target)
+        return [
+            (
+                tuple(dotted),
+                f"cannot derive {target} from {used}: {rbs} × {n} = {gbs} × {steps} gives {target}="
+                f"{float(derived):g}, not a positive integer; set it, or change the others",
+            )
+        ]
+    section, field = BATCH_FIELDS[dotted.index(target)]
+    setattr(getattr(cfg, section), field, int(derived))
+    return []
+
+
+def check(cfg: "Config") -> list[Problem]:
+    """Every cross-field contradiction of a resolved config."""
+    out: list[Problem] = []
+
+    def bad(fields: tuple[str, ...], msg: str) -> None:
+        out.append((fields, msg))
+
+    ro, tr, algo, data, eng = cfg.rollout, cfg.train, cfg.algo, cfg.data, cfg.engine
+
+    # --- rollout mode and staleness
+    if ro.partial_rollout and ro.mode == "sync":
+        bad(("rollout.partial_rollout", "rollout.mode"),
+            "rollout.partial_rollout=true needs rollout.mode=async or overlap (got sync: nothing is in flight at a weight sync)")
+    if ro.mode == "sync" and ro.max_staleness > 0:
+        bad(("rollout.max_staleness", "rollout.mode"),
+            f"rollout.max_staleness={ro.max_staleness} needs rollout.mode=async or overlap (sync is always 0 versions stale)")
+    if ro.mode == "overlap" and ro.max_staleness == 0:
+        bad(("rollout.max_staleness", "rollout.mode"),
+            "rollout.mode=overlap generates batch k+1 while training on batch k, so samples are 1 version stale: "
+            "rollout.max_staleness=0 contradicts it (use mode=sync, or async with max_staleness=0)")
+    if ro.max_turns > 1 and not (cfg.envs.name or cfg.envs.environment or cfg.envs.tools or ro.agent_fn
+                                 or ro.generate_fn or ro.rollout_fn):
+        bad(("rollout.max_turns",),
+            f"rollout.max_turns={ro.max_turns} but nothing produces a second turn: set envs.name, envs.environment, "
+            "envs.tools, rollout.agent_fn, rollout.generate_fn or rollout.rollout_fn")
+    if ro.routing_replay and cfg.model.path is None and cfg.model.arch != "qwen3_moe":
+        bad(("rollout.routing_replay", "model.arch"),
+            f"rollout.routing_replay=true replays MoE expert routing; model.arch={cfg.model.arch} has no experts")
+
+    # --- algorithm
+    if algo.name == "ppo" and algo.advantage != "gae":
+        bad(("algo.name", "algo.advantage"), f"algo.name=ppo needs algo.advantage=gae (got {algo.advantage})")
+    if algo.advantage == "gae" and algo.name != "ppo":
+        bad(("algo.advantage", "algo.name"),
+            f"algo.advantage=gae needs a critic, which only algo.name=ppo trains (got {algo.name})")
+    if algo.name in ("sft", "distill") and algo.advantage != "none":
+        bad(("algo.advantage", "algo.name"), f"algo.name={algo.name} uses no advantage estimator; algo.advantage must be none")
+    if algo.name not in ("sft", "distill") and algo.advantage == "none":
+        bad(("algo.advantage", "algo.name"),
+            f"algo.advantage=none gives every token zero advantage, so algo.name={algo.name} would learn nothing")
+    if algo.advantage == "dr_grpo" and algo.norm_adv_by_std:
+        bad(("algo.norm_adv_by_std", "algo.advantage"),
+            "algo.advantage=dr_grpo never divides by the group std; algo.norm_adv_by_std=true contradicts it")
+    if algo.name == "gspo" and algo.ratio_type != "sequence":
+        bad(("algo.ratio_type", "algo.name"), "algo.name=gspo is defined by a sequence-level ratio; algo.ratio_type must be sequence")
+    if algo.reducer_constant is not None and algo.loss_reducer != "constant":
+        bad(("algo.reducer_constant", "algo.loss_reducer"),
+            f"algo.reducer_constant is only used by algo.loss_reducer=constant (got {algo.loss_reducer})")
+    if algo.correction != "none" and algo.correction_low >= algo.correction_high:
+        bad(("algo.correction_low", "algo.correction_high"),
+            f"algo.correction_low={algo.correction_low} must be below algo.correction_high={algo.correction_high}")
+    if algo.name == "distill" and algo.teacher_path is None:
+        bad(("algo.teacher_path",), "algo.name=distill needs algo.teacher_path (a local model directory)")
+    needs_groups = algo.advantage in GROUP_ADVANTAGES or ro.dynamic_filter
+    if needs_groups and algo.name not in ("sft", "distill") and ro.n_samples_per_prompt < 2:
+        why = "rollout.dynamic_filter=true drops" if ro.dynamic_filter else f"algo.advantage={algo.advantage} gives zero advantage to"
+        bad(("rollout.n_samples_per_prompt", "rollout.dynamic_filter" if ro.dynamic_filter else "algo.advantage"),
+            f"rollout.n_samples_per_prompt=1: {why} every group of one sample; use 2 or more")
+
+    # --- training
+    total_opt = tr.total_steps * tr.num_steps_per_rollout
+    if tr.warmup_steps > total_opt:
+        bad(("train.warmup_steps", "train.total_steps"),
+            f"train.warmup_steps={tr.warmup_steps} exceeds the run's {total_opt} optimiser steps "
+            f"(train.total_steps={tr.total_steps} × train.num_steps_per_rollout={tr.num_steps_per_rollout})")
+    if tr.lora.enabled and cfg.weights.transport == "p2p":
+        bad(("train.lora.enabled", "weights.transport"),
+            "train.lora.enabled=true syncs adapters only, which weights.transport=p2p (full-shard sends) cannot; "
+            "use shm, broadcast, disk or delta")
+
+    # --- hardware
+    gpu_users = []
+    if tr.backend == "nccl":
+        gpu_users.append(("train.backend", "train.backend=nccl"))
+        if cfg.weights.transport == "broadcast":
+            gpu_users.append(("weights.transport", "weights.transport=broadcast over it"))
+    if eng.backend == "sglang":
+        gpu_users.append(("engine.backend", "engine.backend=sglang"))
+    if cfg.cluster.address is None and (cfg.cluster.num_gpus or 0) > 0:
+        gpu_users.append(("cluster.num_gpus", f"cluster.num_gpus={cfg.cluster.num_gpus} on a local Ray"))
+    if gpu_users and not cuda_available():
+        bad(tuple(f for f, _ in gpu_users),
+            f"{' and '.join(m for _, m in gpu_users)} {'needs' if len(gpu_users) == 1 else 'need'} a CUDA GPU, "
+            "and none is visible "
+            "(on CPU use train.backend=gloo or auto, engine.backend=builtin)")
+    if eng.backend == "sglang" and not installed("sglang"):
+        bad(("engine.backend",), "engine.backend=sglang but the sglang package is not installed (pip install 'furlong[gpu]')")
+    for flag in ("wandb", "mlflow"):
+        if getattr(cfg.observe, flag) and not installed(flag):
+            bad((f"observe.{flag}",), f"observe.{flag}=true but the {flag} package is not installed")
+    if cfg.observe.dashboard and not cfg.observe.event_store:
+        bad(("observe.dashboard", "observe.event_store"), "observe.dashboard=true reads the event store; set observe.event_store=true")
+
+    # --- data and files
+    if data.path is not None and data.task is not None:
+        bad(("data.path", "data.task"), "set one of data.path and data.task, not both")
+    if data.path is None and data.task is None and algo.name != "distill":
+        bad(("data.path", "data.task"), "no training data: set data.path or data.task")
+    if data.eval_path is not None and data.eval_task is not None:
+        bad(("data.eval_path", "data.eval_task"), "set one of data.eval_path and data.eval_task, not both")
+    if ro.eval_every > 0 and data.eval_path is None and data.eval_task is None:
+        bad(("rollout.eval_every", "data.eval_path"),
+            f"rollout.eval_every={ro.eval_every} but there is no eval data: set data.eval_path or data.eval_task")
+    if cfg.envs.name and cfg.envs.environment:
+        bad(("envs.name", "envs.environment"), "set one of envs.name (built-in) and envs.environment (custom), not both")
+    for field, value, kind in (
+        ("model.path", cfg.model.path, "dir"),
+        ("algo.teacher_path", algo.teacher_path, "dir"),
+        ("data.path", data.path, "any"),
+        ("data.eval_path", data.eval_path, "any"),
+    ):
+        if value is None:
+            continue
+        p = Path(value).expanduser()
+        if not p.exists():
+            bad((field,), f"{field}: {value!r} does not exist (relative paths are relative to {Path.cwd()})")
+        elif kind == "dir" and not p.is_dir():
+            bad((field,), f"{field}: {value!r} is not a directory")
+    return out

@@ -1,0 +1,54 @@
+"""`furlong serve`: load a model into the built-in engine and serve it over HTTP."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="furlong serve", description="Serve a local HF model with the built-in engine.")
+    p.add_argument("--model", required=True, help="local model directory (HF format)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=30000)
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--kv-cache-mb", type=int, default=256, help="KV cache budget in MiB")
+    p.add_argument("--max-running", type=int, default=64, help="most sequences decoded together")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    p.add_argument("--backend", default="auto", choices=["auto", "native", "hf"], help="native fast path or generic HF fallback")
+    p.add_argument("--admin-token", default=None, help="bearer token for control endpoints (default: $FURLONG_ADMIN_TOKEN)")
+    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's choice)")
+    p.add_argument("--log-level", default="warning")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    if not os.path.isdir(args.model):
+        parser().error(f"--model: {args.model!r} is not a directory")
+    import torch
+    import uvicorn
+
+    from furlong.engine.scheduler import Engine
+    from furlong.engine.server import create_app
+
+    logging.basicConfig(level=args.log_level.upper())
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    try:
+        engine = Engine(args.model, dtype=args.dtype, kv_cache_mb=args.kv_cache_mb, max_running=args.max_running,
+                        block_size=args.block_size, backend=args.backend)
+    except ValueError as e:
+        parser().error(str(e))
+    engine.start()
+    app = create_app(engine, args.admin_token)
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False)
+    finally:
+        engine.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,104 @@
+"""Paged KV-cache bookkeeping with automatic prefix reuse.
+
+The pool is `num_blocks` blocks of `block_size` token slots (the tensors live in
+the model; this class only hands out block ids). Why paged: sequences of very
+different lengths share one memory budget without reserving the maximum
+context per sequence, and a preempted sequence frees exactly what it held.
+
+Prefix reuse: a *full* block is named by a hash chained over every token
+before it, so two requests whose token prefixes agree map to the same blocks.
+When a request finishes its full blocks stay cached (evictable, LRU) instead
+of being freed, so the next turn of an agent session — whose prompt is the
+previous prompt + response + new text — skips recomputing them.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+
+
+class BlockPool:
+    def __init__(self, num_blocks: int, block_size: int):
+        if num_blocks < 1:
+            raise ValueError("--kv-cache-mb: budget too small for one KV block")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.ref = [0] * num_blocks
+        self.free: deque[int] = deque(range(num_blocks))
+        self.evictable: OrderedDict[int, None] = OrderedDict()  # ref 0 but holding a cached prefix
+        self.hash_of: dict[int, int] = {}
+        self.by_hash: dict[int, int] = {}
+        self.hit_tokens = 0  # prompt tokens served from the prefix cache (for /metrics)
+        self.epoch = 0  # bumped by flush(); a sequence admitted in an older epoch never registers
+
+    @property
+    def available(self) -> int:
+        return len(self.free) + len(self.evictable)
+
+    @property
+    def used(self) -> int:
+        return self.num_blocks - self.available
+
+    def alloc(self) -> int | None:
+        if self.free:
+            b = self.free.popleft()
+        elif self.evictable:
+            b, _ = self.evictable.popitem(last=False)
+            self.by_hash.pop(self.hash_of.pop(b), None)
+        else:
+            return None
+        self.ref[b] = 1
+        return b
+
+    def release(self, blocks: list[int]) -> None:
+        for b in blocks:
+            self.ref[b] -= 1
+            if self.ref[b] == 0:
+                if b in self.hash_of:
+                    self.evictable[b] = None
+                else:
+                    self.free.append(b)
+
+    @staticmethod
+    def chain(parent: int, tokens: list[int]) -> int:
+        return hash((parent, tuple(tokens)))
+
+    def match(self, tokens: list[int]) -> tuple[list[int], list[int]]:
+        """Take references on the cached blocks that cover a prefix of `tokens`.
+
+        Only prefixes of `tokens[:-1]` are matched: the last token must be
+        computed to produce the next-token logits. Returns (blocks, hashes).
+        """
+        bs, blocks, hashes, h = self.block_size, [], [], 0
+        for i in range((len(tokens) - 1) // bs):
+            h = self.chain(h, tokens[i * bs : (i + 1) * bs])
+            b = self.by_hash.get(h)
+            if b is None:
+                break
+            if self.ref[b] == 0:
+                self.evictable.pop(b, None)
+            self.ref[b] += 1
+            blocks.append(b)
+            hashes.append(h)
+        self.hit_tokens += len(blocks) * bs
+        return blocks, hashes
+
+    def register(self, blocks: list[int], hashes: list[int], tokens: list[int], n_cached: int) -> None:
+        """Name every block that became full (all its KV written); extends `hashes` in place."""
+        bs = self.block_size
+        for i in range(len(hashes), min(n_cached // bs, len(blocks))):
+            h = self.chain(hashes[-1] if hashes else 0, tokens[i * bs : (i + 1) * bs])
+            hashes.append(h)
+            b = blocks[i]
+            if h not in self.by_hash and b not in self.hash_of:
+                self.by_hash[h] = b
+                self.hash_of[b] = h
+
+    def flush(self) -> None:
+        """Forget every cached prefix (after a weight update their KV is stale)."""
+        self.epoch += 1
+        for b in list(self.evictable):
+            self.free.append(b)
+        self.evictable.clear()
+        self.hash_of.clear()
+        self.by_hash.clear()

@@ -1,0 +1,111 @@
+"""The default generate function: one single-turn request that extends a Sample.
+
+A generate function (the `rollout.generate_fn` plug point) has the signature
+
+    async def generate(ctx: RolloutContext, sample: Sample, sampling_params: dict) -> Sample
+
+and must leave `sample` with its status set (completed | truncated | aborted; it may
+raise, and the manager marks the sample failed with the error). The default sends
+`sample.tokens` — the prompt plus any response tokens produced so far — as
+`input_ids`, so the same function starts a sample and resumes a partial rollout:
+a resumed sample keeps the log-probs and weight versions of its earlier tokens,
+and the new tokens carry the versions the engine stamped on them. The token budget
+is `max_new_tokens` for the whole response, not per request.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from itertools import groupby
+from typing import Any
+
+from furlong.rollout.client import EngineClient, EngineError
+from furlong.rollout.sample import Sample, Source, Status
+
+FINISH_STATUS = {"stop": Status.COMPLETED, "length": Status.TRUNCATED, "abort": Status.ABORTED}
+
+
+@dataclass
+class RolloutContext:
+    """What a generate function may use: the engine client, the tokenizer (or None), the rollout config."""
+
+    client: EngineClient
+    tokenizer: Any = None
+    config: Any = None
+
+
+def derive_seed(*parts: Any) -> int:
+    """A stable 31-bit seed from any parts: the same parts give the same seed in every process.
+
+    Seeds come from what a sample *is* (prompt, place in the stream, sample index),
+    never from when it ran, so any generation order yields the same samples.
+    """
+    digest = hashlib.blake2b(":".join(map(str, parts)).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") % (2**31 - 1)
+
+
+def encode_prompt(tokenizer: Any, prompt: str | list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
+    """Prompt ids: messages go through the chat template (with a generation prompt), text is encoded as is."""
+    if tokenizer is None:
+        raise ValueError("encode_prompt: a tokenizer is needed to encode prompts (pass tokenizer= to the manager)")
+    if isinstance(prompt, str):
+        return list(tokenizer.encode(prompt, add_special_tokens=False))
+    out = tokenizer.apply_chat_template(prompt, tools=tools, add_generation_prompt=True, tokenize=True)
+    if isinstance(out, dict) or hasattr(out, "input_ids"):  # transformers 5 may return a BatchEncoding
+        out = out["input_ids"]
+    return [int(t) for t in out]
+
+
+def reset_response(sample: Sample) -> Sample:
+    """Drop every response token (and its per-token data) so the sample starts again from its prompt."""
+    p = sample.prompt_length
+    del sample.tokens[p:]
+    sample.response_length = 0
+    for per_token in (sample.loss_mask, sample.rollout_logprobs, sample.token_versions, sample.token_sources):
+        per_token.clear()
+    sample.reward = None
+    sample.status = Status.PENDING
+    sample.status_reason = ""
+    sample.metadata.pop("response_text", None)
+    return sample
+
+
+def apply_response(sample: Sample, out: dict[str, Any], tokenizer: Any = None) -> Sample:
+    """Append one `/generate` response to `sample`: ids, log-probs, per-token versions, status."""
+    meta = out.get("meta_info") or {}
+    ids = [int(t) for t in out.get("output_ids", [])]
+    triples = meta.get("output_token_logprobs") or []
+    if len(triples) != len(ids):
+        raise EngineError(f"/generate returned {len(ids)} output_ids but {len(triples)} output_token_logprobs")
+    logprobs = [float(t[0]) for t in triples]
+    versions = meta.get("output_token_versions") or [int(meta.get("weight_version", -1))] * len(ids)
+    if len(versions) != len(ids):
+        raise EngineError(f"/generate returned {len(ids)} output_ids but {len(versions)} output_token_versions")
+    reason = (meta.get("finish_reason") or {}).get("type")
+    if reason not in FINISH_STATUS:
+        raise EngineError(f"/generate returned unknown finish_reason {meta.get('finish_reason')!r}")
+    start = 0
+    for version, run in groupby(versions):  # Sample.append stamps one version per call
+        n = len(list(run))
+        sample.append(ids[start : start + n], source=Source.POLICY, logprobs=logprobs[start : start + n], version=int(version))
+        start += n
+    sample.status = FINISH_STATUS[reason]
+    sample.status_reason = "" if reason != "abort" else "aborted by the engine"
+    if tokenizer is not None:
+        sample.metadata["response_text"] = tokenizer.decode(sample.response_tokens, skip_special_tokens=True)
+    else:
+        sample.metadata["response_text"] = sample.metadata.get("response_text", "") + str(out.get("text", ""))
+    return sample
+
+
+async def generate(ctx: RolloutContext, sample: Sample, sampling_params: dict[str, Any]) -> Sample:
+    """Single-turn generation, starting or resuming `sample` from the tokens it holds."""
+    params = dict(sampling_params)
+    remaining = int(params["max_new_tokens"]) - sample.response_length
+    if remaining <= 0:
+        sample.status = Status.TRUNCATED
+        return sample
+    params["max_new_tokens"] = remaining
+    out = await ctx.client.generate(sample.tokens, params)
+    return apply_response(sample, out, ctx.tokenizer)

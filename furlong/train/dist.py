@@ -1,0 +1,100 @@
+"""torch.distributed set-up and FSDP2 wrapping: gloo on CPU, NCCL on GPU.
+
+World size 1 skips both the process group and FSDP: a plain module does the
+same maths (tested against world size 2) without needing a rendezvous, so
+in-process use in tests and notebooks stays free.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+BACKENDS = ("auto", "gloo", "nccl")
+
+
+def resolve_backend(backend: str) -> str:
+    if backend not in BACKENDS:
+        raise ValueError(f"train.backend: unknown backend {backend!r}; choose one of {list(BACKENDS)}")
+    if backend == "auto":
+        return "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl" and not torch.cuda.is_available():
+        raise ValueError("train.backend=nccl needs a CUDA device; use gloo (or auto) on CPU")
+    return backend
+
+
+def init(rank: int, world_size: int, backend: str) -> torch.device:
+    """Join the process group (env:// rendezvous, MASTER_ADDR defaults to 127.0.0.1) and pick the device."""
+    if not 0 <= rank < world_size:
+        raise ValueError(f"trainer: rank={rank} is outside world_size={world_size}")
+    backend = resolve_backend(backend)
+    device = torch.device("cpu")
+    if backend == "nccl":
+        local = int(os.environ.get("LOCAL_RANK", rank % torch.cuda.device_count()))
+        device = torch.device("cuda", local)
+        torch.cuda.set_device(device)
+    if world_size > 1 and not dist.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        if "MASTER_PORT" not in os.environ:
+            raise ValueError("trainer: world_size > 1 needs MASTER_PORT in the environment for the rendezvous")
+        dist.init_process_group(backend, rank=rank, world_size=world_size)
+    return device
+
+
+def shard(model: nn.Module, device: torch.device) -> nn.Module:
+    """FSDP2: shard every transformer block (the classes HF lists in `_no_split_modules`), then the root."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    blocks: set[str] = set()
+    for m in model.modules():
+        blocks.update(getattr(m, "_no_split_modules", None) or [])
+    for m in list(model.modules()):
+        if type(m).__name__ in blocks:
+            fully_shard(m, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def full_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The whole tensor of a (possibly FSDP-sharded DTensor) parameter; collective when sharded."""
+    from torch.distributed.tensor import DTensor
+
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def full_state(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, full tensor) for every state entry, one at a time; all ranks must iterate together."""
+    for name, t in model.state_dict().items():
+        yield name, full_tensor(t).detach()
+
+
+def world() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
+    if world()[1] > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return t
+
+
+def gather_objects(obj: Any) -> list[Any]:
+    """Every rank's `obj`, in rank order (a list of one at world size 1)."""
+    if world()[1] == 1:
+        return [obj]
+    out: list[Any] = [None] * world()[1]
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def barrier() -> None:
+    if world()[1] > 1:
+        dist.barrier()

@@ -1,0 +1,203 @@
+"""The two entry points the trainer calls: `compute_advantages` and `compute_policy_objective`.
+
+`algo` is any object with the attributes of the config's `AlgoConfig` (duck typed, so
+this package does not import the config). Each piece — advantage estimator, policy
+loss, off-policy correction, reducer — is looked up by name in its registry, or
+replaced by passing a function (the config's plug points resolve dotted paths to
+such functions).
+
+One call computes, in this order:
+    advantages (+ distillation shaping) -> behaviour correction weights w
+    -> per-token clipped surrogate l_t -> L_pg = reduce(w * l)
+    L = L_pg + kl_coef * reduce(kl) - entropy_coef * reduce(H) + vf_coef * reduce(l_V) [+ distill_coef * reduce(w * l_rkl)]
+and returns every metric the loss side knows (names listed in docs/algorithms/).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any, TypeVar
+
+import torch
+from torch import Tensor
+
+from furlong.train.losses.advantages import ADVANTAGE_ESTIMATORS, AdvantageFn
+from furlong.train.losses.corrections import CORRECTIONS, CorrectionFn, mismatch_metrics
+from furlong.train.losses.distill import distill_advantages, reverse_kl_loss
+from furlong.train.losses.kl import kl_estimate
+from furlong.train.losses.policy import POLICY_LOSSES, PolicyLossFn, value_loss
+from furlong.train.losses.reducers import REDUCERS, ReducerFn, masked_mean
+from furlong.train.losses.sft import sft_loss
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+_PER_TOKEN_KEYS = (
+    "logprobs", "old_logprobs", "rollout_logprobs", "ref_logprobs", "advantages",
+    "entropy", "teacher_logprobs", "values", "old_values", "returns",
+)
+
+
+def _resolve(fn: F | str | None, registry: Mapping[str, F], default: str, field: str) -> F:
+    """A function given directly, or registry[name]; a clear error names the config field."""
+    if fn is not None and not isinstance(fn, str):
+        return fn
+    name = default if fn is None else fn
+    try:
+        return registry[name]
+    except KeyError:
+        raise ValueError(f"{field}={name!r} is not one of {sorted(registry)}") from None
+
+
+def _check_shapes(tensors: Mapping[str, Any], mask: Tensor) -> None:
+    if mask.dim() != 2:
+        raise ValueError(f"tensors['mask'] must be [B, T], got shape {tuple(mask.shape)}")
+    for key in _PER_TOKEN_KEYS:
+        t = tensors.get(key)
+        if t is not None and tuple(t.shape) != tuple(mask.shape):
+            raise ValueError(f"tensors[{key!r}] has shape {tuple(t.shape)}, expected {tuple(mask.shape)} like 'mask'")
+
+
+def compute_advantages(
+    algo: Any,
+    rewards: Tensor,
+    group_index: Tensor,
+    mask: Tensor,
+    values: Tensor | None = None,
+    kl: Tensor | None = None,
+    *,
+    advantage_fn: AdvantageFn | str | None = None,
+) -> tuple[Tensor, Tensor | None]:
+    """Advantages `[B, T]` (zero where mask is 0) and returns `[B, T]` (token-level estimators) or None.
+
+    `algo.advantage` selects the estimator (see `advantages.py`); `kl` is the per-token KL to
+    the reference (`kl_estimate`), folded into the reward when `algo.kl_in_reward`; `values`
+    are the critic's, needed by `gae`.
+    """
+    if rewards.dim() != 1:
+        raise ValueError(f"rewards must be [B], got shape {tuple(rewards.shape)}")
+    if mask.dim() != 2 or mask.shape[0] != rewards.shape[0]:
+        raise ValueError(f"mask must be [B, T] with B={rewards.shape[0]}, got shape {tuple(mask.shape)}")
+    if tuple(group_index.shape) != tuple(rewards.shape):
+        raise ValueError(f"group_index must be [B]={tuple(rewards.shape)}, got {tuple(group_index.shape)}")
+    for name, t in (("values", values), ("kl", kl)):
+        if t is not None and tuple(t.shape) != tuple(mask.shape):
+            raise ValueError(f"{name} has shape {tuple(t.shape)}, expected {tuple(mask.shape)} like mask")
+    rewards = rewards.detach().to(torch.promote_types(rewards.dtype, torch.float32))
+    mask = mask.to(rewards.dtype)
+    fn = _resolve(advantage_fn, ADVANTAGE_ESTIMATORS, algo.advantage, "algo.advantage")
+    with torch.no_grad():
+        return fn(algo, rewards, group_index, mask, values, kl)
+
+
+def compute_policy_objective(
+    algo: Any,
+    tensors: Mapping[str, Any],
+    *,
+    loss_fn: PolicyLossFn | str | None = None,
+    correction_fn: CorrectionFn | str | None = None,
+    reducer_fn: ReducerFn | str | None = None,
+) -> tuple[Tensor, dict[str, float]]:
+    """The scalar loss to backpropagate and its metrics, for every algorithm of `algo.name`.
+
+    tensors (all `[B, T]` unless noted): logprobs (current, with grad), old_logprobs, mask;
+    optional rollout_logprobs, ref_logprobs, advantages (required except for sft/distill),
+    entropy, teacher_logprobs (distill), values/old_values/returns (PPO critic), and the
+    scalars total_tokens/total_samples (global-batch counts for the reducer, see reducers.py).
+    """
+    mask = tensors["mask"]
+    _check_shapes(tensors, mask)
+    lp, old = tensors["logprobs"], tensors["old_logprobs"].detach()
+    mask = mask.to(lp.dtype)
+    reducer = _resolve(reducer_fn, REDUCERS, algo.loss_reducer, "algo.loss_reducer")
+
+    def reduce(values: Tensor) -> Tensor:
+        return reducer(
+            values, mask, constant=algo.reducer_constant,
+            total_tokens=_scalar(tensors.get("total_tokens")), total_samples=_scalar(tensors.get("total_samples")),
+        )
+
+    if algo.name == "sft":
+        return sft_loss(lp, mask, reducer, constant=algo.reducer_constant,
+                        total_tokens=_scalar(tensors.get("total_tokens")),
+                        total_samples=_scalar(tensors.get("total_samples")))
+
+    metrics: dict[str, float] = {"policy/num_tokens": mask.sum().item()}
+    adv = tensors.get("advantages")
+    distill = algo.name == "distill"
+    teacher = tensors.get("teacher_logprobs")
+    if distill:
+        if teacher is None:
+            raise ValueError("algo.name='distill' needs tensors['teacher_logprobs']")
+        metrics["distill/reverse_kl"] = masked_mean((old - teacher).detach(), mask).item()
+    run_pg = adv is not None or (distill and algo.distill_mode == "advantage")
+    if adv is None:
+        if not distill:
+            raise ValueError(f"algo.name={algo.name!r} needs tensors['advantages'] (from compute_advantages)")
+        adv = torch.zeros_like(lp).detach()
+    adv = adv.detach().to(lp.dtype)
+    if distill and algo.distill_mode == "advantage":
+        adv = adv + distill_advantages(teacher, old, mask, algo.distill_coef)
+    elif distill and algo.distill_mode != "reverse_kl":
+        raise ValueError(f"algo.distill_mode={algo.distill_mode!r} is not one of ['advantage', 'reverse_kl']")
+    metrics["policy/advantage_mean"] = masked_mean(adv, mask).item()
+
+    rollout = tensors.get("rollout_logprobs")
+    if rollout is not None:
+        metrics.update(mismatch_metrics(old, rollout, mask))
+    weights = None
+    if correction_fn is not None or algo.correction != "none":
+        corr = _resolve(correction_fn, CORRECTIONS, algo.correction, "algo.correction")(
+            algo, {**tensors, "advantages": adv, "mask": mask}
+        )
+        weights = corr.weights.detach().to(lp.dtype)
+        metrics.update(corr.metrics)
+
+    total = lp.new_zeros(())
+    if run_pg:
+        pg_tokens, pg_metrics = _resolve(loss_fn, POLICY_LOSSES, "ppo_clip", "loss")(algo, lp, old, adv, mask)
+        metrics.update(pg_metrics)
+        loss_pg = reduce(pg_tokens if weights is None else pg_tokens * weights)
+        metrics["loss/policy"] = loss_pg.item()
+        total = total + loss_pg
+
+    ref = tensors.get("ref_logprobs")
+    if ref is not None:
+        kl_tokens = kl_estimate(lp, ref.detach(), algo.kl_type)
+        metrics["policy/kl_ref"] = masked_mean(kl_tokens.detach(), mask).item()
+        if algo.kl_coef and not algo.kl_in_reward:
+            loss_kl = reduce(kl_tokens)
+            metrics["loss/kl"] = loss_kl.item()
+            total = total + algo.kl_coef * loss_kl
+
+    entropy = tensors.get("entropy")
+    if entropy is not None:
+        loss_ent = reduce(entropy)
+        metrics["loss/entropy"] = loss_ent.item()
+        metrics["policy/entropy"] = masked_mean(entropy.detach(), mask).item()
+        if algo.entropy_coef:
+            total = total - algo.entropy_coef * loss_ent
+
+    if distill and algo.distill_mode == "reverse_kl":
+        rkl = reverse_kl_loss(lp, teacher)
+        loss_rkl = reduce(rkl if weights is None else rkl * weights)
+        metrics["loss/distill"] = loss_rkl.item()
+        total = total + algo.distill_coef * loss_rkl
+
+    values, returns = tensors.get("values"), tensors.get("returns")
+    if values is not None and returns is not None:
+        old_values = tensors.get("old_values")
+        old_values = values.detach() if old_values is None else old_values
+        v_tokens, v_metrics = value_loss(values, old_values, returns, mask, algo.value_clip)
+        loss_v = reduce(v_tokens)
+        metrics.update(v_metrics)
+        metrics["loss/value"] = loss_v.item()
+        total = total + algo.vf_coef * loss_v
+
+    metrics["loss/total"] = total.item()
+    return total, metrics
+
+
+def _scalar(x: Any) -> float | None:
+    if x is None:
+        return None
+    return float(x.item()) if isinstance(x, Tensor) else float(x)

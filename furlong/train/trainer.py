@@ -1,0 +1,366 @@
+"""The trainer: one rank of FSDP2 training over a HF causal LM.
+
+A plain class, so tests drive it in-process and the Ray actor group later wraps
+one instance per rank. Every rank receives the *whole* global batch and takes
+its own deterministic shard: group-normalised advantages need whole groups,
+every rank can then plan every rank's micro-batches without talking, and the
+global-batch counts are known locally. The loss hub's reducers divide by those
+global counts (`total_tokens`, `total_samples`), so each micro-batch's loss is
+its exact share of the global loss and N ranks × k micro-batches reproduce one
+big batch (tested: accumulation and world size 2 against world size 1). FSDP
+averages gradients over ranks, so each rank backpropagates `loss_mb · world_size`.
+
+Micro-batches are packed rows (see `batch.py`) under `micro_batch_tokens`; all
+ranks run the same number (a rank short of samples runs a zero-weight dummy) so
+FSDP's collectives line up.
+
+Log-probs are taken at the rollout temperature (log_softmax(logits / T)), so
+the ratio against the engine's log-probs compares like with like.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections import defaultdict
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import torch
+from torch import Tensor, nn
+
+from furlong.rollout.sample import Sample, SampleError
+from furlong.train import checkpoint, dist
+from furlong.train.batch import Packed, TrainBatch, micro_batches, pack, partition
+from furlong.train.critic import ValueModel
+from furlong.train.lora import apply_lora, merged_items
+from furlong.train.optim import build_optimizer, build_scheduler
+from furlong.train.settings import lora_dict
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+_DUMMY = Packed(
+    torch.zeros(1, 2, dtype=torch.long),
+    torch.arange(2)[None],
+    torch.zeros(1, dtype=torch.long),
+    torch.zeros(1, dtype=torch.long),
+    torch.zeros(1, dtype=torch.long),
+    torch.zeros(1, dtype=torch.long),
+    (1, 1),
+)
+
+
+def _summed(metric: str) -> bool:
+    """Loss parts are each micro-batch's share of the global loss, and counts are counts: both add up."""
+    return metric.startswith("loss/") or metric.endswith("num_tokens")
+
+
+class Trainer:
+    def __init__(
+        self,
+        model_dir: str | Path,
+        train_cfg: Any,
+        algo_cfg: Any,
+        rank: int = 0,
+        world_size: int = 1,
+        *,
+        temperature: float = 1.0,
+        losses: Any = None,
+    ) -> None:
+        """`losses` is the loss hub (a module with `compute_advantages`, `compute_policy_objective`, `sft_loss`)."""
+        if temperature <= 0:
+            raise ValueError(f"rollout temperature must be > 0 for training log-probs, got {temperature}")
+        if train_cfg.dtype not in DTYPES:
+            raise ValueError(f"train.dtype: {train_cfg.dtype!r} is not one of {list(DTYPES)}")
+        self.cfg, self.algo = train_cfg, algo_cfg
+        self.model_dir = str(model_dir)
+        self.rank, self.world_size = rank, world_size
+        self.temperature = float(temperature)
+        self.losses = losses if losses is not None else importlib.import_module("furlong.train.losses")
+        self.device = dist.init(rank, world_size, train_cfg.backend)
+        self.dtype = DTYPES[train_cfg.dtype]
+        self.lora = lora_dict(getattr(train_cfg, "lora", None))
+        self.kl_coef = float(getattr(algo_cfg, "kl_coef", 0.0) or 0.0)
+        if getattr(algo_cfg, "loss_reducer", None) == "constant" and getattr(algo_cfg, "reducer_constant", None) is None:
+            # The hub's fallback (the padded T) would differ between micro-batches and ranks.
+            raise ValueError("algo.reducer_constant must be set (e.g. rollout.max_new_tokens) for loss_reducer='constant'")
+        torch.manual_seed(int(getattr(train_cfg, "seed", 0)))  # adapter / head init must agree on every rank
+
+        policy = self._load_lm()
+        if getattr(train_cfg, "gradient_checkpointing", False):
+            policy.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        self.policy = self._place(apply_lora(policy, self.lora) if self.lora else policy)
+        # The reference policy: a frozen copy; with LoRA, the base itself (adapters switched off).
+        self.ref = self._place(self._load_lm(), frozen=True) if self.kl_coef and not self.lora else None
+        if self.lora and self.cfg.ref_update_every:
+            raise ValueError("train.ref_update_every: not supported with LoRA (the reference is the frozen base)")
+        self.critic = self._place(ValueModel(self.model_dir, self.dtype)) if self._needs_critic() else None
+
+        self.optimizer = build_optimizer(self.policy.parameters(), train_cfg)
+        self.scheduler = build_scheduler(self.optimizer, train_cfg)
+        if self.critic is not None:
+            self.critic_optimizer = build_optimizer(self.critic.parameters(), train_cfg, getattr(train_cfg, "critic_lr", None))
+            self.critic_scheduler = build_scheduler(self.critic_optimizer, train_cfg)
+        self.step = 0
+
+    # ------------------------------------------------------------------ set-up
+    def _needs_critic(self) -> bool:
+        return getattr(self.algo, "advantage", None) == "gae" or getattr(self.algo, "name", None) == "ppo"
+
+    def _load_lm(self) -> nn.Module:
+        from transformers import AutoModelForCausalLM
+
+        return AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=self.dtype)
+
+    def _place(self, model: nn.Module, frozen: bool = False) -> nn.Module:
+        model.to(self.device)
+        if frozen:
+            model.requires_grad_(False).eval()
+        if self.world_size > 1:
+            dist.shard(model, self.device)
+        return model
+
+    def _modules(self) -> list[nn.Module]:
+        return [m for m in (self.policy, self.critic) if m is not None]
+
+    # ------------------------------------------------------------------ forward
+    def _logprobs(self, model: nn.Module, packed: Packed, entropy: bool = False, temperature: float | None = None):
+        """Per-token log-probs (and entropy) `[B, T]` of the response tokens, in fp32, at temperature T."""
+        logits = model(
+            input_ids=packed.input_ids, position_ids=packed.position_ids, use_cache=False, logits_to_keep=packed.flat_index
+        ).logits[0]
+        logp = torch.log_softmax(logits.float() / (temperature or self.temperature), dim=-1)
+        lp = packed.scatter(logp.gather(-1, packed.targets[:, None]).squeeze(-1))
+        return lp, (packed.scatter(-(logp.exp() * logp).sum(-1)) if entropy else None)
+
+    def _values(self, packed: Packed) -> Tensor:
+        return packed.scatter(self.critic(packed.input_ids, packed.position_ids, packed.flat_index))
+
+    def _ref_logprobs(self, packed: Packed) -> Tensor:
+        if self.ref is not None:
+            return self._logprobs(self.ref, packed)[0]
+        with self.policy.disable_adapter():
+            return self._logprobs(self.policy, packed)[0]
+
+    # ------------------------------------------------------------------ planning
+    def _plan(self, lengths: list[int]) -> list[list[int]]:
+        """This rank's micro-batches (global sample indices); the same count on every rank."""
+        shards = partition(lengths, self.world_size)
+        per_rank = [[[shard[i] for i in mb] for mb in micro_batches([lengths[i] for i in shard], self.cfg.micro_batch_tokens)] for shard in shards]
+        k = max(1, max(len(p) for p in per_rank))
+        mine = per_rank[self.rank]
+        if len(mine) < k:  # fewer than the busiest rank: spread thinner, padding with empty (dummy) steps
+            shard = shards[self.rank]
+            mine = [[shard[i] for i in b] for b in partition([lengths[i] for i in shard], k)]
+        return mine
+
+    @torch.no_grad()
+    def _per_token(self, batch: TrainBatch, fn: Callable[[Packed], Tensor]) -> Tensor:
+        """Run `fn` over the batch (each rank its shard) and return the full `[B, T]` result on every rank."""
+        B, T = batch.mask.shape
+        out = torch.zeros(B, T, device=self.device)
+        for idx in self._plan(batch.seq_lengths):
+            if not idx:
+                fn(_DUMMY.to(self.device))
+                continue
+            vals = fn(pack([batch.samples[i] for i in idx]).to(self.device))
+            out[torch.tensor(idx, device=self.device), : vals.shape[1]] = vals.float()
+        return dist.all_reduce_sum(out).cpu()  # each row is written by exactly one rank: the sum is exact
+
+    # ------------------------------------------------------------------ public API
+    def compute_logprobs(self, samples: list[Sample] | TrainBatch, which: str = "policy") -> list[list[float]]:
+        """Per-sample response log-probs under the policy (or `which="ref"`), at the rollout temperature."""
+        batch = samples if isinstance(samples, TrainBatch) else TrainBatch.from_samples(samples)
+        if which not in ("policy", "ref"):
+            raise ValueError(f"compute_logprobs: which={which!r} is not 'policy' or 'ref'")
+        self.policy.eval()
+        fn = self._ref_logprobs if which == "ref" else (lambda p: self._logprobs(self.policy, p)[0])
+        lp = self._per_token(batch, fn)
+        return [lp[i, : s.response_length].tolist() for i, s in enumerate(batch.samples)]
+
+    def prepare(self, samples: list[Sample] | TrainBatch) -> TrainBatch:
+        """Old and reference log-probs, old values, then advantages over the whole batch."""
+        batch = samples if isinstance(samples, TrainBatch) else TrainBatch.from_samples(samples)
+        if batch.rewards is None:
+            missing = next(s.index for s in batch.samples if s.reward is None)
+            raise SampleError(f"sample {missing}: reward is not set; RL training needs a reward on every sample")
+        for m in self._modules():
+            m.eval()
+        uses_ref = bool(self.kl_coef)
+        if uses_ref or self.cfg.num_steps_per_rollout > 1:
+            batch.old_logprobs = self._per_token(batch, lambda p: self._logprobs(self.policy, p)[0])
+        if uses_ref:
+            batch.ref_logprobs = self._per_token(batch, self._ref_logprobs)
+        if self.critic is not None:
+            batch.old_values = self._per_token(batch, self._values)
+        kl = None  # per-token KL to the reference, folded into the reward when algo.kl_in_reward
+        if uses_ref:
+            kl = self.losses.kl_estimate(batch.old_logprobs, batch.ref_logprobs, getattr(self.algo, "kl_type", "k1"))
+        batch.advantages, batch.returns = self.losses.compute_advantages(
+            self.algo, batch.rewards, batch.group_index, batch.mask, values=batch.old_values, kl=kl
+        )
+        return batch
+
+    def train_rollout(self, samples: list[Sample] | TrainBatch) -> list[dict[str, float]]:
+        """Prepare a rollout batch once, then take `num_steps_per_rollout` optimiser steps over its slices."""
+        batch = self.prepare(samples)
+        n = self.cfg.num_steps_per_rollout
+        if len(batch) % n:
+            raise ValueError(f"train.num_steps_per_rollout={n} does not divide the rollout batch of {len(batch)} samples")
+        size = len(batch) // n
+        return [self.train_step(batch.select(list(range(i * size, (i + 1) * size)))) for i in range(n)]
+
+    def train_step(self, batch: list[Sample] | TrainBatch) -> dict[str, float]:
+        """One optimiser step of the policy objective (and the critic's, for PPO) on a global batch."""
+        if not isinstance(batch, TrainBatch) or batch.advantages is None:
+            batch = self.prepare(batch)
+        return self._optimise(batch, self._policy_loss)
+
+    def sft_step(self, samples: list[Sample] | TrainBatch) -> dict[str, float]:
+        """One optimiser step of supervised fine-tuning: NLL of the loss-masked response tokens (T = 1)."""
+        batch = samples if isinstance(samples, TrainBatch) else TrainBatch.from_samples(samples)
+        return self._optimise(batch, self._sft_loss)
+
+    def state_dict_for_sync(self) -> Iterator[tuple[str, Tensor]]:
+        """(HF name, full tensor) pairs of the policy, one at a time; LoRA is merged.
+
+        Collective under FSDP: every rank must iterate to the end (each gets full tensors).
+        """
+        items = dist.full_state(self.policy)
+        yield from (merged_items(self.policy, items) if self.lora else items)
+
+    # ------------------------------------------------------------------ losses
+    def _totals(self, batch: TrainBatch) -> dict[str, float]:
+        """Global-batch counts the loss hub's reducers divide by, so micro-batch losses are exact shares."""
+        reducer = getattr(self.algo, "loss_reducer", "token_mean")
+        samples = (batch.mask.sum(1) > 0).sum() if reducer == "sample_mean" else len(batch)
+        return {"total_tokens": float(batch.mask.sum()), "total_samples": float(samples)}
+
+    def _policy_loss(self, sub: TrainBatch, packed: Packed, totals: dict[str, float]):
+        lp, ent = self._logprobs(self.policy, packed, entropy=True)
+        t: dict[str, Any] = {k: v.to(self.device) for k, v in sub.loss_tensors().items()}
+        t.update(totals, logprobs=lp, entropy=ent)
+        t.setdefault("old_logprobs", lp.detach())
+        if self.critic is not None:
+            t["values"] = self._values(packed)
+        loss, metrics = self.losses.compute_policy_objective(self.algo, t)
+        # The ESS ratio is not a token mean: keep its sums so it is exact over the global batch.
+        mask = t["mask"]
+        rho = torch.exp(((t["old_logprobs"] - t["rollout_logprobs"]) * mask).clamp(-20, 20)) * mask
+        return loss, metrics, {"_rho": float(rho.sum()), "_rho2": float((rho * rho).sum())}
+
+    def _sft_loss(self, sub: TrainBatch, packed: Packed, totals: dict[str, float]):
+        lp, _ = self._logprobs(self.policy, packed, temperature=1.0)
+        loss, metrics = self.losses.sft_loss(lp, sub.mask.to(self.device), total_tokens=totals["total_tokens"])
+        return loss, metrics, {}
+
+    def _dummy_loss(self) -> Tensor:
+        """Zero loss through every trained module, so FSDP's collectives match the other ranks."""
+        packed = _DUMMY.to(self.device)
+        loss = self._logprobs(self.policy, packed)[0].sum() * 0
+        return loss + self._values(packed).sum() * 0 if self.critic is not None else loss
+
+    def _optimise(self, batch: TrainBatch, loss_fn: Callable) -> dict[str, float]:
+        plan = self._plan(batch.seq_lengths)
+        totals = self._totals(batch)
+        optimizers = [self.optimizer] + ([self.critic_optimizer] if self.critic is not None else [])
+        for m in self._modules():
+            m.train()
+        for o in optimizers:
+            o.zero_grad(set_to_none=True)
+        sums: dict[str, float] = defaultdict(float)
+        for j, idx in enumerate(plan):
+            if self.world_size > 1:  # reduce-scatter once, after the last micro-batch
+                for m in self._modules():
+                    m.set_requires_gradient_sync(j == len(plan) - 1)
+            if not idx:
+                self._dummy_loss().backward()
+                continue
+            sub = batch.select(idx)
+            loss, metrics, own = loss_fn(sub, pack(sub.samples).to(self.device), totals)
+            (loss * self.world_size).backward()  # FSDP averages gradients over ranks; the loss is already a share
+            tokens = float(sub.mask.sum())
+            sums["loss"] += float(loss.detach())
+            sums["_tokens"] += tokens
+            for k, v in own.items():
+                sums[k] += v
+            for k, v in metrics.items():
+                if _summed(k):
+                    sums[k] += float(v)
+                elif k.endswith("_max"):
+                    sums[k] = max(sums.get(k, float("-inf")), float(v))
+                else:
+                    sums[k] += float(v) * tokens
+                    sums[f"_w/{k}"] += tokens
+        grad_norm = self._clip(self.policy)
+        lr = self.scheduler.get_last_lr()[0]
+        out = {"grad_norm": grad_norm, "lr": lr}
+        if self.critic is not None:
+            out["critic/grad_norm"] = self._clip(self.critic)
+        for o in optimizers:
+            o.step()
+        self.scheduler.step()
+        if self.critic is not None:
+            self.critic_scheduler.step()
+        self.step += 1
+        if self.ref is not None and self.cfg.ref_update_every and self.step % self.cfg.ref_update_every == 0:
+            with torch.no_grad():
+                for r, p in zip(self.ref.parameters(), self.policy.parameters()):
+                    r.copy_(p)
+        return out | self._reduce_metrics(sums, batch) | {"step": float(self.step)}
+
+    def _reduce_metrics(self, sums: dict[str, float], batch: TrainBatch) -> dict[str, float]:
+        """Combine micro-batch and rank metrics: shares and counts add, maxima max, the rest token-weighted."""
+        total: dict[str, float] = {}
+        for part in dist.gather_objects(dict(sums)):
+            for k, v in part.items():
+                total[k] = max(total[k], v) if k in total and k.endswith("_max") else total.get(k, 0.0) + v
+        tokens = total.pop("_tokens", 0.0)
+        out = {"loss": total.pop("loss", 0.0), "tokens": tokens, "samples": float(len(batch))}
+        rho, rho2 = total.pop("_rho", None), total.pop("_rho2", None)
+        for k in [k for k in total if k.startswith("_w/")]:
+            weight = total.pop(k)
+            out[k[3:]] = total.pop(k[3:]) / max(weight, 1.0)
+        out.update(total)
+        if rho is not None and rho2:
+            out["mismatch/ess_ratio"] = rho * rho / (max(tokens, 1.0) * rho2)
+        return out
+
+    def _clip(self, model: nn.Module) -> float:
+        params = [p for p in model.parameters() if p.grad is not None]
+        clip = self.cfg.grad_clip if self.cfg.grad_clip and self.cfg.grad_clip > 0 else float("inf")
+        return float(dist.full_tensor(torch.nn.utils.clip_grad_norm_(params, clip)))
+
+    # ------------------------------------------------------------------ checkpoints
+    def _parts(self) -> checkpoint.Stateful:
+        parts: checkpoint.Stateful = {"policy": (self.policy, self.optimizer)}
+        if self.critic is not None:
+            parts["critic"] = (self.critic, self.critic_optimizer)
+        if self.ref is not None and self.cfg.ref_update_every:
+            parts["ref"] = (self.ref, None)
+        return parts
+
+    def save(self, path: str | Path) -> Path:
+        """Full state to `path` (collective): see `checkpoint.py` for the layout."""
+        rank_state = {"step": self.step, "scheduler": self.scheduler.state_dict()}
+        if self.critic is not None:
+            rank_state["critic_scheduler"] = self.critic_scheduler.state_dict()
+        meta = {
+            "step": self.step,
+            "world_size": self.world_size,
+            "model_dir": self.model_dir,
+            "dtype": self.cfg.dtype,
+            "lora": self.lora,
+            "critic": self.critic is not None,
+            "temperature": self.temperature,
+        }
+        return checkpoint.save(path, self._parts(), rank_state, meta, self.model_dir)
+
+    def load(self, path: str | Path) -> None:
+        """Restore the state `save` wrote; the trainer must be built with the same model and LoRA settings."""
+        meta = checkpoint.read_meta(path)
+        if meta.get("lora") != self.lora:
+            raise ValueError(f"{path}/meta.json: lora={meta.get('lora')} but this trainer has train.lora={self.lora}")
+        extra = checkpoint.load(path, self._parts())
+        self.scheduler.load_state_dict(extra["scheduler"])
+        if self.critic is not None:
+            self.critic_scheduler.load_state_dict(extra["critic_scheduler"])
+        self.step = int(extra["step"])

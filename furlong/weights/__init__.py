@@ -1,0 +1,1 @@
+"""Weight transport pieces shared by the trainer (send side) and the engine (receive side)."""
