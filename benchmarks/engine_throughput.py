@@ -147,9 +147,9 @@ def main(argv: list[str] | None = None) -> int:
     roofline = gflops * 1e9 / (2 * n_params)
     rows: list[tuple[str, float | None, str]] = []
     rows.append(("HF generate (batch 32, padded)", None if args.skip_hf else bench_hf(path, prompts, args.new_tokens), "skipped (--skip-hf)"))
-    print(f"  measured HF generate", flush=True)
+    print("  measured HF generate", flush=True)
     rows.append(("furlong engine, in-process", bench_engine(path, prompts, args.new_tokens), ""))
-    print(f"  measured engine in-process", flush=True)
+    print("  measured engine in-process", flush=True)
     if args.skip_http:
         rows.append(("furlong engine, HTTP via router, 32 clients", None, "skipped (--skip-http)"))
     elif importlib.util.find_spec("furlong.router.cli") is None:
@@ -166,6 +166,9 @@ def main(argv: list[str] | None = None) -> int:
         vs = f"{tps / hf:.2f}x" if hf else "-"
         print(f"{name:<46}{tps:>10,.0f}{tps / roofline:>12.0%}{vs:>9}")
     print(f"{'roofline (fp32 matmul peak)':<46}{roofline:>10,.0f}{1:>12.0%}")
+    load = os.getloadavg()[0]
+    print(f"\nload average {load:.1f} on {os.cpu_count()} cores" +
+          (" - other work shared the CPU; these figures understate every system" if load > args.threads + 0.5 else ""))
     return 0
 
 

@@ -218,6 +218,10 @@ class Task:
             prompts.append(Prompt(index=i, prompt=prompt, label=label, metadata=metadata))
         return Dataset(prompts, f"task:{self.name}:{split}:seed={seed}:difficulty={difficulty}")
 
+    def answer(self, label: Any, chat: bool = False) -> str:
+        """The reference response for a prompt (SFT warm-up targets): `" 8"` after `Answer:`, `"8"` in chat."""
+        return f"{label}" if chat else f" {label}"
+
 
 TASKS: dict[str, Task] = {
     "arithmetic": Task("arithmetic", _arithmetic, score_integer),

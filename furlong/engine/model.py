@@ -47,8 +47,8 @@ class Batch:
     positions: torch.Tensor  # [T]
     write_slots: torch.Tensor  # [T]
     n_decode: int
-    decode_ctx: torch.Tensor | None  # [D, Lmax] pool slots, padded with 0
-    decode_mask: torch.Tensor | None  # [D, 1, 1, Lmax] True = attend
+    decode_blocks: torch.Tensor | None  # [D, nb] block table of each decoding sequence, padded with 0
+    decode_mask: torch.Tensor | None  # [D, 1, 1, nb * block_size] True = attend
     prefills: list[Prefill]
     logit_rows: torch.Tensor
     token_seq: list[int] = field(default_factory=list)  # flat index -> index into `seq_tokens`
@@ -59,7 +59,7 @@ class Batch:
 class NativeModel:
     """Flat batched forward for Qwen3 / Llama / Qwen3-MoE over a paged KV pool."""
 
-    def __init__(self, hf_model, num_slots: int):
+    def __init__(self, hf_model, num_blocks: int, block_size: int):
         cfg = hf_model.config
         self.hf = hf_model
         self.cfg = cfg
@@ -71,7 +71,8 @@ class NativeModel:
         self.scale = self.head_dim**-0.5
         self.layers = list(hf_model.model.layers)
         dtype = next(hf_model.parameters()).dtype
-        shape = (num_slots, self.n_kv, self.head_dim)
+        # Block-major pool: gathering whole blocks copies block_size * kv * hd contiguous floats per row.
+        shape = (num_blocks, block_size, self.n_kv, self.head_dim)
         self.k_pool = [torch.zeros(shape, dtype=dtype) for _ in self.layers]
         self.v_pool = [torch.zeros(shape, dtype=dtype) for _ in self.layers]
         self.is_moe = self.arch == "qwen3_moe"
@@ -126,14 +127,16 @@ class NativeModel:
                 q = self._norm(q, at.q_norm.weight)
                 k = self._norm(k, at.k_norm.weight)
             q, k = self._rope(q, cos, sin), self._rope(k, cos, sin)
-            kp, vp = self.k_pool[li], self.v_pool[li]
-            kp[b.write_slots] = k
-            vp[b.write_slots] = v
+            kb, vb = self.k_pool[li], self.v_pool[li]
+            kp, vp = kb.view(-1, self.n_kv, self.head_dim), vb.view(-1, self.n_kv, self.head_dim)  # by token slot
+            kp.index_copy_(0, b.write_slots, k)
+            vp.index_copy_(0, b.write_slots, v)
             out = torch.empty_like(q)
             if D:
                 # GQA decode as SDPA with the g query heads of a kv head in the "query length" slot.
-                kc = kp[b.decode_ctx].transpose(1, 2)  # [D, kv, L, hd]
-                vc = vp[b.decode_ctx].transpose(1, 2)
+                flat = b.decode_blocks.view(-1)  # index_select is several times faster than advanced indexing here
+                kc = kb.index_select(0, flat).view(D, -1, self.n_kv, self.head_dim).transpose(1, 2)  # [D, kv, L, hd]
+                vc = vb.index_select(0, flat).view(D, -1, self.n_kv, self.head_dim).transpose(1, 2)
                 qd = q[:D].view(D, self.n_kv, g, self.head_dim)
                 od = F.scaled_dot_product_attention(qd, kc, vc, attn_mask=b.decode_mask, scale=self.scale)
                 out[:D] = od.reshape(D, self.n_heads, self.head_dim)
@@ -143,7 +146,7 @@ class NativeModel:
                     ks, vs = k[p.start : p.start + p.n], v[p.start : p.start + p.n]
                     mask, causal = None, True
                 else:
-                    ks, vs = kp[p.ctx_slots], vp[p.ctx_slots]
+                    ks, vs = kp.index_select(0, p.ctx_slots), vp.index_select(0, p.ctx_slots)
                     total = p.cached + p.n
                     mask = torch.arange(total)[None, :] <= (p.cached + torch.arange(p.n))[:, None]
                     causal = False
@@ -195,6 +198,7 @@ class FallbackModel:
     """
 
     is_moe = False
+    needs_tokens = True  # the scheduler fills Batch.seq_tokens only for this backend
 
     def __init__(self, hf_model):
         self.hf = hf_model
@@ -215,7 +219,7 @@ class FallbackModel:
         return logits[seq_of, pos].float(), None
 
 
-def build_model(hf_model, num_slots: int, backend: str = "auto"):
+def build_model(hf_model, num_blocks: int, block_size: int, backend: str = "auto"):
     """Pick the native path for known archs (or when forced), the fallback otherwise."""
     if backend not in ("auto", "native", "hf"):
         raise ValueError(f"--backend: unknown backend {backend!r}; choose auto, native or hf")
@@ -224,4 +228,4 @@ def build_model(hf_model, num_slots: int, backend: str = "auto"):
         return FallbackModel(hf_model)
     if arch not in NATIVE_ARCHS:
         raise ValueError(f"--backend native: architecture {arch!r} has no native path; use --backend hf")
-    return NativeModel(hf_model, num_slots)
+    return NativeModel(hf_model, num_blocks, block_size)

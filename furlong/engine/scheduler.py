@@ -65,7 +65,7 @@ class Engine:
         bytes_per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * torch.finfo(getattr(torch, dtype)).bits // 8
         num_blocks = int(kv_cache_mb * 2**20 // (bytes_per_token * block_size))
         self.pool = BlockPool(num_blocks, block_size)
-        self.model = build_model(self.hf, num_blocks * block_size, backend)
+        self.model = build_model(self.hf, num_blocks, block_size, backend)
         self.backend = type(self.model).__name__
         eos = self.hf.generation_config.eos_token_id if self.hf.generation_config else None
         eos = eos if eos is not None else cfg.eos_token_id
@@ -272,21 +272,23 @@ class Engine:
         last_rows: list[int] = []
         prompt_rows: list[tuple[int, int]] = []  # (first row, n) for prompt log-probs
         for i, r in enumerate(decode):
-            ids.append(r.tokens[-1])
+            ids.append(r.output_ids[-1] if r.output_ids else r.prompt_ids[-1])
             pos.append(r.n_cached)
             seq_of.append(i)
             last_rows.append(i)
         D = len(decode)
-        decode_ctx = decode_mask = None
+        decode_blocks = decode_mask = None
+        write = []
         if D:
             lens = torch.tensor([r.n_cached + 1 for r in decode])
             L = int(lens.max())
             nb = -(-L // bs)
             bt = torch.tensor([(r.blocks + [0] * nb)[:nb] for r in decode])
-            p = torch.arange(L)
-            decode_ctx = bt[:, p // bs] * bs + p % bs
-            decode_mask = (p[None, :] < lens[:, None])[:, None, None, :]
-        prefills, write = [], ([decode_ctx[torch.arange(D), lens - 1]] if D else [])
+            decode_blocks = bt
+            decode_mask = (torch.arange(nb * bs)[None, :] < lens[:, None])[:, None, None, :]
+            last = lens - 1
+            write.append(bt[torch.arange(D), last // bs] * bs + last % bs)
+        prefills = []
         rows = list(last_rows)
         for j, r in enumerate(prefill):
             toks = r.tokens
@@ -304,11 +306,11 @@ class Engine:
                 prompt_rows.append((-1, n))
                 rows.append(start + n - 1)
             last_rows.append(len(rows) - 1)
-        for r in decode + prefill:
-            seqs.append(r.tokens)
+        if getattr(self.model, "needs_tokens", False):
+            seqs = [r.tokens for r in decode + prefill]
         batch = Batch(
             input_ids=torch.tensor(ids), positions=torch.tensor(pos), write_slots=torch.cat(write),
-            n_decode=D, decode_ctx=decode_ctx, decode_mask=decode_mask, prefills=prefills,
+            n_decode=D, decode_blocks=decode_blocks, decode_mask=decode_mask, prefills=prefills,
             logit_rows=torch.tensor(rows), token_seq=seq_of, seq_tokens=seqs,
             want_routes=any(r.return_routed_experts for r in decode + prefill),
         )
@@ -337,8 +339,9 @@ class Engine:
                 r.input_logprobs = [None] + lp.gather(1, nxt[:, None])[:, 0].tolist()
         now = time.time()
         for i, r in enumerate(seqs):
-            r.n_cached = len(r.tokens)
-            if r.reuse_prefix and r.epoch == self.pool.epoch:
+            r.n_cached = len(r.prompt_ids) + len(r.output_ids)
+            full = r.n_cached // self.pool.block_size > len(r.hashes)
+            if full and r.reuse_prefix and r.epoch == self.pool.epoch:
                 self.pool.register(r.blocks, r.hashes, r.tokens, r.n_cached)
             r.output_ids.append(tokens[i])
             r.output_logprobs.append(tok_lp[i])

@@ -279,6 +279,26 @@ def create_app(engine: Engine, admin_token: str | None = None) -> FastAPI:
         named = await asyncio.to_thread(load_disk, engine.hf, body.model_path)
         return await apply(named, body.weight_version)
 
+    @app.post("/get_weights_checksum")
+    async def weights_checksum(request: HTTPRequest):
+        """Shape, dtype and CRC32 of every (or each named) parameter: lets a sender verify a sync or skip unchanged tensors."""
+        from furlong.weights.tensors import checksum, dtype_name
+
+        body = await body_of(request)
+        names = body.get("names") if isinstance(body, dict) else None
+        if names is not None and not (isinstance(names, list) and all(isinstance(n, str) for n in names)):
+            raise P.BadRequest("names", "must be a list of parameter names")
+
+        def snapshot() -> dict:
+            sd = engine.hf.state_dict()
+            unknown = [n for n in names or [] if n not in sd]
+            if unknown:
+                raise P.BadRequest("names", f"no such parameter {unknown[0]!r}")
+            return {"weight_version": engine.weight_version, "tensors": {
+                n: {"shape": list(sd[n].shape), "dtype": dtype_name(sd[n].dtype), "crc32": checksum(sd[n])} for n in (names or sd)}}
+
+        return await asyncio.wrap_future(engine.call(snapshot))
+
     @app.post("/init_weights_update_group")
     async def init_group(request: HTTPRequest):
         from furlong.weights.dist import init_group as join

@@ -132,6 +132,7 @@ class ScriptedModel:
     """
 
     is_moe = False
+    needs_tokens = True
 
     def __init__(self, script: list[int], vocab: int):
         self.script, self.vocab = script, vocab

@@ -75,6 +75,11 @@ def test_update_from_shared_memory_then_disk(world):
     after = outputs(url)
     assert [o["output_ids"] for o in after] == world["want_new"]
     assert all(o["meta_info"]["output_token_versions"] == [1] * 12 for o in after)
+    sums = httpx.post(url + "/get_weights_checksum", json={"names": ["lm_head.weight"]}).json()
+    from furlong.weights.tensors import checksum
+
+    assert sums["tensors"]["lm_head.weight"]["crc32"] == checksum(world["new_sd"]["lm_head.weight"])
+    assert sums["weight_version"] == 1
     # Back to the old weights from disk, with an explicit version.
     r = httpx.post(url + "/update_weights_from_disk", json={"model_path": str(world["old"]), "weight_version": 7}, headers=AUTH, timeout=60)
     assert r.status_code == 200 and r.json()["weight_version"] == 7, r.text

@@ -5,7 +5,7 @@ from furlong.train.losses.advantages import ADVANTAGE_ESTIMATORS, AdvantageFn
 from furlong.train.losses.corrections import CORRECTIONS, Correction, CorrectionFn
 from furlong.train.losses.kl import kl_estimate, token_entropy
 from furlong.train.losses.objective import compute_advantages, compute_policy_objective
-from furlong.train.losses.policy import POLICY_LOSSES, PolicyLossFn
+from furlong.train.losses.policy import POLICY_LOSSES, LossFn
 from furlong.train.losses.reducers import REDUCERS, ReducerFn
 from furlong.train.losses.sft import sft_loss
 
@@ -17,7 +17,7 @@ __all__ = [
     "AdvantageFn",
     "Correction",
     "CorrectionFn",
-    "PolicyLossFn",
+    "LossFn",
     "ReducerFn",
     "compute_advantages",
     "compute_policy_objective",

@@ -12,22 +12,17 @@ baseline, so every group-relative estimator gives it advantage 0.
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from furlong.train.losses.reducers import masked_mean
+from furlong.config.registry import AdvantageFn  # plug points are declared once, in the registry
 
 EPS = 1e-6
 
 
-class AdvantageFn(Protocol):
-    """Plug point `advantage estimator`."""
-
-    def __call__(
-        self, algo: Any, rewards: Tensor, group_index: Tensor, mask: Tensor, values: Tensor | None, kl: Tensor | None
-    ) -> tuple[Tensor, Tensor | None]: ...
 
 
 # ---------------------------------------------------------------- group statistics

@@ -24,12 +24,13 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from furlong.train.losses.reducers import masked_mean, masked_sum
+from furlong.config.registry import CorrectionFn  # plug points are declared once, in the registry
 
 LEVELS = ("token", "sequence", "geometric")
 _EXP_GUARD = 20.0  # exp(20) ~ 5e8; beyond it the weight is truncated or masked anyway
@@ -43,11 +44,6 @@ class Correction:
     metrics: dict[str, float]
 
 
-class CorrectionFn(Protocol):
-    """Plug point `off-policy correction`: tensors has logprobs, old_logprobs, rollout_logprobs,
-    advantages, mask."""
-
-    def __call__(self, algo: Any, tensors: Mapping[str, Tensor]) -> Correction: ...
 
 
 def ess_ratio(weights: Tensor, mask: Tensor) -> float:

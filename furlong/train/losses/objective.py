@@ -25,7 +25,7 @@ from furlong.train.losses.advantages import ADVANTAGE_ESTIMATORS, AdvantageFn
 from furlong.train.losses.corrections import CORRECTIONS, CorrectionFn, mismatch_metrics
 from furlong.train.losses.distill import distill_advantages, reverse_kl_loss
 from furlong.train.losses.kl import kl_estimate
-from furlong.train.losses.policy import POLICY_LOSSES, PolicyLossFn, value_loss
+from furlong.train.losses.policy import POLICY_LOSSES, LossFn, value_loss
 from furlong.train.losses.reducers import REDUCERS, ReducerFn, masked_mean
 from furlong.train.losses.sft import sft_loss
 
@@ -93,7 +93,7 @@ def compute_policy_objective(
     algo: Any,
     tensors: Mapping[str, Any],
     *,
-    loss_fn: PolicyLossFn | str | None = None,
+    loss_fn: LossFn | str | None = None,
     correction_fn: CorrectionFn | str | None = None,
     reducer_fn: ReducerFn | str | None = None,
 ) -> tuple[Tensor, dict[str, float]]:

@@ -6,20 +6,15 @@ weights and reduced by a reducer) plus detached metrics over trained tokens.
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from furlong.train.losses.reducers import masked_mean, masked_sum
+from furlong.config.registry import LossFn  # plug points are declared once, in the registry
 
 
-class PolicyLossFn(Protocol):
-    """Plug point `loss`: per-token policy loss `[B, T]` and metrics."""
-
-    def __call__(
-        self, algo: Any, logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor
-    ) -> tuple[Tensor, dict[str, float]]: ...
 
 
 def log_ratio(
@@ -102,7 +97,7 @@ def ppo_clip_loss(
     return ppo_clip(log_r, advantages.detach(), mask, algo.clip_eps_low, algo.clip_eps_high, algo.dual_clip_c)
 
 
-POLICY_LOSSES: dict[str, PolicyLossFn] = {"ppo_clip": ppo_clip_loss}
+POLICY_LOSSES: dict[str, LossFn] = {"ppo_clip": ppo_clip_loss}
 
 
 def value_loss(

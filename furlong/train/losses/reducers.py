@@ -15,24 +15,12 @@ ranks) reproduces the single-batch loss whatever the split.
 
 from __future__ import annotations
 
-from typing import Protocol
 
 import torch
 from torch import Tensor
+from furlong.config.registry import ReducerFn  # plug points are declared once, in the registry
 
 
-class ReducerFn(Protocol):
-    """Plug point `loss reducer`: per-token values and mask to a scalar."""
-
-    def __call__(
-        self,
-        values: Tensor,
-        mask: Tensor,
-        *,
-        constant: float | None = None,
-        total_tokens: float | None = None,
-        total_samples: float | None = None,
-    ) -> Tensor: ...
 
 
 def masked_sum(values: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:

@@ -1,0 +1,1 @@
+"""Cluster: Ray placement, actor groups (trainer ranks, engine and router processes), shutdown."""

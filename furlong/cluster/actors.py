@@ -1,0 +1,120 @@
+"""Ray actors: trainer ranks and server processes, placed on a placement group's bundles.
+
+On a laptop `ray.init()` starts a local cluster and every bundle lands on this
+machine; with `cluster.address` the same actors land on cluster nodes. Nothing
+here knows which: that is the promise of running one topology everywhere.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import ray
+
+
+@ray.remote
+class ProcessActor:
+    """Owns one server process (an engine or the router) on the node Ray placed it."""
+
+    def __init__(self, name: str, argv: list[str], port: int, log_path: str, threads: int | None):
+        from furlong.cluster.processes import ManagedProcess
+
+        host = "127.0.0.1" if "--host" not in argv else argv[argv.index("--host") + 1]
+        self.proc = ManagedProcess(name, argv, f"http://{host}:{port}", log_path, threads)
+
+    def start(self, timeout_s: float = 180.0) -> str:
+        self.proc.start(timeout_s)
+        return self.proc.url
+
+    def url(self) -> str:
+        return self.proc.url
+
+    def pid(self) -> int | None:
+        return self.proc.pid
+
+    def alive(self) -> bool:
+        return self.proc.alive()
+
+    def kill(self, sig: int = 9) -> None:
+        self.proc.signal(sig)
+
+    def restart(self, timeout_s: float = 180.0) -> str:
+        self.proc.restart(timeout_s)
+        return self.proc.url
+
+    def stop(self) -> None:
+        self.proc.stop()
+
+
+@ray.remote
+class TrainerActor:
+    """One FSDP2 rank. Every rank receives the whole global batch (the trainer shards it itself)."""
+
+    def __init__(self, rank: int, world_size: int, master_port: int, threads: int | None, seed: int):
+        os.environ["MASTER_ADDR"] = "127.0.0.1"
+        os.environ["MASTER_PORT"] = str(master_port)
+        self.rank, self.world_size, self.threads, self.seed = rank, world_size, threads, seed
+        self.trainer = None
+        self.sender = None
+        self.engine = None  # a colocated engine (cluster.colocate) lives here, in rank 0
+
+    def build(self, model_dir: str, train_cfg: Any, algo_cfg: Any, temperature: float) -> int:
+        import torch
+
+        from furlong.train.trainer import Trainer
+
+        if self.threads:
+            torch.set_num_threads(self.threads)
+        torch.manual_seed(self.seed)
+        self.trainer = Trainer(model_dir, train_cfg, algo_cfg, self.rank, self.world_size, temperature=temperature)
+        return os.getpid()
+
+    def train_rollout(self, samples: list) -> list[dict[str, float]]:
+        return self.trainer.train_rollout(samples)
+
+    def sft_step(self, samples: list) -> dict[str, float]:
+        return self.trainer.sft_step(samples)
+
+    def compute_logprobs(self, samples: list) -> list[list[float]]:
+        return self.trainer.compute_logprobs(samples)
+
+    def save(self, path: str) -> str:
+        return str(self.trainer.save(path))
+
+    def load(self, path: str) -> int:
+        self.trainer.load(path)
+        return self.trainer.step
+
+    def start_colocated_engine(self, model_dir: str, engine_args: dict, admin_token: str, port: int) -> str:
+        """cluster.colocate: the engine shares this process (and its device) with rank 0."""
+        from furlong.engine.scheduler import Engine
+        from furlong.engine.server import ServerThread
+
+        engine = Engine(model_dir, **engine_args)
+        engine.start()
+        self.engine = (engine, ServerThread(engine, admin_token, port=port).__enter__())
+        return self.engine[1].url
+
+    def push_weights(self, transport: str, urls: list[str], admin_token: str, version: int, opts: dict) -> dict:
+        """Send this rank's weights to the engines (a collective: every rank must call it)."""
+        from furlong.weights import make_sender
+
+        if self.sender is None:
+            self.sender = make_sender(transport, rank=self.rank, world_size=self.world_size, **opts)
+            self.sender.connect(urls, admin_token)
+        report = self.sender.push(self.trainer.state_dict_for_sync(), version)
+        return report if isinstance(report, dict) else getattr(report, "__dict__", {"report": str(report)})
+
+    def weight_checksums(self) -> dict[str, int]:
+        from furlong.weights.tensors import checksum
+
+        return {name: checksum(t) for name, t in self.trainer.state_dict_for_sync()}
+
+    def shutdown(self) -> None:
+        if self.sender is not None and hasattr(self.sender, "close"):
+            self.sender.close()
+        if self.engine is not None:
+            engine, server = self.engine
+            server.__exit__(None, None, None)
+            engine.stop()

@@ -1,0 +1,110 @@
+"""A server process that furlong starts, health-checks, kills and restarts.
+
+Engines and the router are HTTP servers in processes of their own (one
+responsibility per process). `ManagedProcess` owns one: it starts the command in
+a new process group (so a kill takes its children too), waits for `GET /health`,
+and on `stop()` sends SIGTERM then SIGKILL. It is a plain class so the same code
+runs under a Ray actor on a cluster node and directly in tests.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def thread_env(threads: int | None) -> dict[str, str]:
+    """Environment that caps a child's math threads, so N processes share the cores instead of fighting."""
+    env = dict(os.environ)
+    if threads:
+        for k in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
+            env[k] = str(threads)
+    env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    return env
+
+
+class ProcessFailed(RuntimeError):
+    """A managed process exited or never became healthy; the message carries its log tail."""
+
+
+class ManagedProcess:
+    def __init__(self, name: str, argv: list[str], url: str, log_path: str | Path, threads: int | None = None):
+        self.name, self.argv, self.url = name, list(argv), url
+        self.log_path = Path(log_path)
+        self.threads = threads
+        self.proc: subprocess.Popen | None = None
+        self.restarts = 0
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc else None
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def start(self, timeout_s: float = 120.0) -> "ManagedProcess":
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        log = open(self.log_path, "ab")
+        self.proc = subprocess.Popen(
+            self.argv, stdout=log, stderr=subprocess.STDOUT, env=thread_env(self.threads), start_new_session=True
+        )
+        log.close()
+        self.wait_healthy(timeout_s)
+        return self
+
+    def wait_healthy(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if not self.alive():
+                raise ProcessFailed(f"{self.name} exited with code {self.proc.returncode}:\n{self.log_tail()}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2.0).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.1)
+        self.stop()
+        raise ProcessFailed(f"{self.name} not healthy after {timeout_s:.0f}s:\n{self.log_tail()}")
+
+    def log_tail(self, n: int = 20) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return "(no log)"
+
+    def signal(self, sig: int) -> None:
+        if self.alive():
+            os.killpg(self.proc.pid, sig)
+
+    def stop(self, grace_s: float = 5.0) -> None:
+        if not self.alive():
+            return
+        self.signal(signal.SIGTERM)
+        try:
+            self.proc.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            self.signal(signal.SIGKILL)
+            self.proc.wait(5)
+
+    def restart(self, timeout_s: float = 120.0) -> None:
+        self.stop(grace_s=1.0)
+        self.restarts += 1
+        self.start(timeout_s)
+
+
+def furlong_argv(*args: str) -> list[str]:
+    """`python -m furlong.cli ...` with this interpreter, so children use the same environment."""
+    return [sys.executable, "-m", "furlong.cli", *args]

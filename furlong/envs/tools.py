@@ -1,0 +1,103 @@
+"""Tool calls: parsed from model output, executed asynchronously with a timeout.
+
+Format: the chat template's `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`
+(Qwen / Hermes style). Parsing works on decoded text only to *read* the call; the
+tokens the model produced are kept as they were (token-in-token-out).
+
+A tool is `fn(**arguments) -> str` or an async one, or any `tool_fn(name, arguments)`
+plug point (`envs.tool_fn`) that executes every call itself. A failing or slow tool
+never fails the rollout: its error (or "timed out after N s") becomes the tool's
+result text, which is what the model sees and learns from — as a real agent would.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import json
+import re
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+TOOL_CALL_RE = re.compile(r"<tool_call>(.*?)</tool_call>", re.S)
+MAX_RESULT_CHARS = 4096
+
+
+@dataclass
+class ToolCall:
+    name: str
+    arguments: dict[str, Any]
+    id: str = field(default_factory=lambda: f"call_{uuid.uuid4().hex[:24]}")
+
+    def openai(self) -> dict[str, Any]:
+        """The OpenAI `tool_calls` entry (arguments as a JSON string, as the API sends them)."""
+        return {"id": self.id, "type": "function",
+                "function": {"name": self.name, "arguments": json.dumps(self.arguments, ensure_ascii=False)}}
+
+
+def parse_tool_calls(text: str) -> tuple[str, list[ToolCall], list[str]]:
+    """Split model output into (content without the calls, calls, errors for blocks that do not parse).
+
+    A block with bad JSON, no string `name`, or non-object `arguments` is kept in the
+    content and reported in `errors`, so nothing the model wrote is silently lost.
+    `arguments` given as a JSON string (as the OpenAI API writes them) is decoded.
+    """
+    calls: list[ToolCall] = []
+    errors: list[str] = []
+    kept, last = [], 0
+    for m in TOOL_CALL_RE.finditer(text):
+        try:
+            obj = json.loads(m.group(1))
+            if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+                raise ValueError("expected an object with a string 'name'")
+            args = obj.get("arguments", {})
+            if isinstance(args, str):
+                args = json.loads(args) if args.strip() else {}
+            if not isinstance(args, dict):
+                raise ValueError("'arguments' must be an object")
+        except ValueError as e:  # json.JSONDecodeError is a ValueError
+            errors.append(f"unparsable tool call {m.group(0)[:200]!r}: {e}")
+            continue
+        kept.append(text[last : m.start()])
+        last = m.end()
+        calls.append(ToolCall(obj["name"], args))
+    kept.append(text[last:])
+    return ("".join(kept).strip() if calls else text), calls, errors
+
+
+async def _invoke(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """Await an async tool; run a plain one in a thread so a slow tool cannot stall the event loop."""
+    if inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None)):
+        return await fn(*args, **kwargs)
+    return await asyncio.to_thread(fn, *args, **kwargs)
+
+
+async def execute(call: ToolCall, tools: dict[str, Callable[..., Any]], *, timeout_s: float,
+                  tool_fn: Callable[..., Any] | None = None) -> str:
+    """One call's result text; errors and timeouts become text (the module docstring says why).
+
+    A plain tool that times out keeps running in its thread until it returns (Python
+    cannot kill a thread): tools that may hang should be async or use the sandbox.
+    """
+    try:
+        if tool_fn is not None:
+            result = await asyncio.wait_for(_invoke(tool_fn, call.name, call.arguments), timeout_s)
+        elif call.name not in tools:
+            return f"error: unknown tool {call.name!r}; available: {sorted(tools)}"
+        else:
+            result = await asyncio.wait_for(_invoke(tools[call.name], **call.arguments), timeout_s)
+    except TimeoutError:
+        return f"error: tool {call.name!r} timed out after {timeout_s:g} s"
+    except Exception as e:  # noqa: BLE001 - the tool's failure is the model's observation
+        return f"error: {type(e).__name__}: {e}"
+    text = result if isinstance(result, str) else json.dumps(result, ensure_ascii=False)
+    return text if len(text) <= MAX_RESULT_CHARS else text[:MAX_RESULT_CHARS] + "...[truncated]"
+
+
+async def execute_all(calls: list[ToolCall], tools: dict[str, Callable[..., Any]], *, timeout_s: float,
+                      tool_fn: Callable[..., Any] | None = None) -> list[dict[str, Any]]:
+    """Run a turn's calls concurrently; one `tool` message per call, in the order they were made."""
+    results = await asyncio.gather(*(execute(c, tools, timeout_s=timeout_s, tool_fn=tool_fn) for c in calls))
+    return [{"role": "tool", "tool_call_id": c.id, "name": c.name, "content": r} for c, r in zip(calls, results)]

@@ -1,0 +1,125 @@
+"""What the driver shows and records each step: a progress bar, a one-line summary, metrics.
+
+Metrics go to `RUN_DIR/metrics.jsonl` (one object per step) and, when
+`observe.tensorboard`, to `RUN_DIR/tensorboard/`. Rollout-side metrics (reward,
+lengths, staleness, statuses) are computed here from the batch the trainer saw.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+
+def rollout_metrics(batch: list[Any], version: int | None = None) -> dict[str, float]:
+    rewards = [s.scalar_reward for s in batch if s.reward is not None]
+    lengths = [s.response_length for s in batch]
+    out = {
+        "rollout/reward_mean": statistics.fmean(rewards) if rewards else math.nan,
+        "rollout/response_len_mean": statistics.fmean(lengths) if lengths else 0.0,
+        "rollout/samples": float(len(batch)),
+        "rollout/truncated_frac": sum(str(getattr(s.status, "value", s.status)) == "truncated" for s in batch) / max(1, len(batch)),
+    }
+    if version is not None:
+        olds = [s.oldest_version() for s in batch if s.oldest_version() is not None]
+        if olds:
+            out["rollout/staleness_max"] = float(version - min(olds))
+            out["rollout/staleness_mean"] = float(version - statistics.fmean(olds))
+    return out
+
+
+class MetricLog:
+    def __init__(self, run_dir: Path, cfg: Any):
+        self.run_dir = Path(run_dir)
+        self.jsonl = open(self.run_dir / "metrics.jsonl", "a")
+        self.tb = None
+        if getattr(cfg.observe, "tensorboard", False):
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self.tb = SummaryWriter(str(self.run_dir / "tensorboard"))
+            except ImportError:
+                self.note("tensorboard not installed: metrics go to metrics.jsonl only")
+        self.tokens = 0
+        self.t0 = time.perf_counter()
+        self.console = None
+        try:
+            from rich.console import Console
+
+            self.console = Console(stderr=True, highlight=False, soft_wrap=True)
+        except ImportError:
+            pass
+
+    def note(self, text: str) -> None:
+        if self.console is not None:
+            self.console.print(f"[dim]furlong[/] {text}")
+        else:
+            print(f"furlong {text}", file=sys.stderr)
+
+    @contextlib.contextmanager
+    def progress(self, title: str, total: int, start: int = 0) -> Iterator[Callable[[str], None]]:
+        """A progress bar when on a terminal; one line per advance otherwise (CI logs stay readable)."""
+        if self.console is not None and self.console.is_terminal:
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+            with Progress(TextColumn(f"[bold]{title}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                          TextColumn("{task.description}"), console=self.console, transient=False) as bar:
+                task = bar.add_task("", total=total, completed=start)
+                yield lambda text="": bar.update(task, advance=1, description=text)
+            return
+        state = {"i": start}
+
+        def advance(text: str = "") -> None:
+            state["i"] += 1
+            self.note(f"{title} {state['i']}/{total} {text}")
+
+        yield advance
+
+    def step_metrics(self, batch: list[Any], per_opt: list[dict[str, float]], stats: dict[str, Any]) -> dict[str, float]:
+        out = rollout_metrics(batch, stats.get("version"))
+        for k in per_opt[-1] if per_opt else {}:
+            vals = [m[k] for m in per_opt if k in m and isinstance(m[k], (int, float))]
+            if vals:
+                out[f"train/{k}" if "/" not in k else k] = float(statistics.fmean(vals))
+        self.tokens += sum(s.response_length for s in batch)
+        for k, v in stats.items():
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and not k.startswith("_"):
+                out[f"rollout_stats/{k}"] = float(v)
+        return out
+
+    def summary(self, step: int, m: dict[str, float]) -> str:
+        def f(key: str, fmt: str = ".3f") -> str:
+            v = m.get(key)
+            return "-" if v is None or (isinstance(v, float) and math.isnan(v)) else format(v, fmt)
+
+        parts = [f"reward {f('rollout/reward_mean')}", f"loss {f('train/loss')}", f"kl {f('policy/approx_kl', '.4f')}",
+                 f"len {f('rollout/response_len_mean', '.1f')}", f"step {f('time/step_s', '.1f')}s"]
+        if "eval/accuracy" in m:
+            parts.append(f"eval acc {f('eval/accuracy')}")
+        return " | ".join(parts)
+
+    def write(self, step: int, metrics: dict[str, float]) -> None:
+        clean = {k: (v if isinstance(v, (int, float)) and math.isfinite(v) else None) for k, v in metrics.items()}
+        self.jsonl.write(json.dumps({"step": step, "time": time.time(), **clean}) + "\n")
+        self.jsonl.flush()
+        if self.tb is not None:
+            for k, v in clean.items():
+                if v is not None:
+                    self.tb.add_scalar(k, v, step)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"tokens": self.tokens}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.tokens = int(state.get("tokens", 0))
+
+    def close(self) -> None:
+        self.jsonl.close()
+        if self.tb is not None:
+            self.tb.close()

@@ -1,0 +1,288 @@
+"""`furlong train RECIPE [key=value ...]` and `furlong train --resume RUN_DIR`: the RL driver.
+
+One loop, whatever the mode (DESIGN §2):
+
+    batch   = await manager.next_batch(step)         # rollouts through router -> engines
+    metrics = await trainers.train_rollout(batch)    # FSDP2 ranks on Ray
+    await manager.before_weight_sync()               # partial rollouts stop here
+    pause engines -> push weights (version step+1) -> continue
+    await manager.on_weights_updated(step + 1)
+
+A checkpoint (`checkpoints/step_<n>/`) holds the trainer's full state and the
+driver's: data cursor, rollout buffer, in-flight partial rollouts, counters. It
+is taken between `before_weight_sync` and `on_weights_updated`, when nothing is
+in flight, so resuming continues exactly where the run stood.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import secrets
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from furlong.train.logging import MetricLog
+
+DRIVER_STATE = "driver_state.json"
+
+
+def _run_dir(cfg: Any) -> Path:
+    return Path(cfg.run_dir)
+
+
+def admin_token(run_dir: Path) -> str:
+    """The run's admin token for control endpoints: generated once, file mode 0600."""
+    path = run_dir / "admin_token"
+    if path.exists():
+        return path.read_text().strip()
+    token = secrets.token_urlsafe(24)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(token)
+    return token
+
+
+def latest_checkpoint(run_dir: Path) -> Path | None:
+    done = [p for p in (run_dir / "checkpoints").glob("step_*") if (p / DRIVER_STATE).exists()]
+    return max(done, key=lambda p: int(p.name.split("_")[1]), default=None)
+
+
+def sft_samples(prompts: list[Any], tokenizer: Any, chat: bool) -> list[Any]:
+    """Warm-up samples: prompt + the task's reference answer + end of turn, answer tokens trained."""
+    from furlong.data.tasks import get_task
+    from furlong.rollout.generate import encode_prompt
+    from furlong.rollout.sample import Sample
+
+    end = tokenizer.convert_tokens_to_ids("<|im_end|>" if chat else "<|endoftext|>")
+    out = []
+    for i, p in enumerate(prompts):
+        s = Sample(index=i, group_index=i, prompt=p.prompt, tokens=encode_prompt(tokenizer, p.prompt))
+        answer = tokenizer.encode(get_task(p.metadata["task"]).answer(p.label, chat), add_special_tokens=False)
+        s.append(answer + [end], version=0)
+        out.append(s)
+    return out
+
+
+class Run:
+    """One training run: owns the topology, the rollout manager and the logs."""
+
+    def __init__(self, cfg: Any, resume: bool = False, progress: bool = True):
+        self.cfg, self.resume, self.progress = cfg, resume, progress
+        self.run_dir = _run_dir(cfg)
+        self.top = None
+        self.manager = None
+
+    # ------------------------------------------------------------------ set-up
+    def _prepare(self) -> None:
+        from furlong.models import create_model
+
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        if not self.resume:
+            self.cfg.save(self.run_dir / "config.yaml")
+        self.token = admin_token(self.run_dir)
+        m = self.cfg.model
+        self.model_dir = m.path or str(create_model(m.arch, m.size, seed=m.seed))
+        self.log = MetricLog(self.run_dir, self.cfg)
+
+    async def _start(self) -> None:
+        from transformers import AutoTokenizer
+
+        from furlong.cluster.topology import Topology, bundles_needed, init_ray
+        from furlong.data.from_config import build_data
+        from furlong.rollout.client import EngineClient
+        from furlong.rollout.manager import RolloutManager
+
+        self.source, self.evals = build_data(self.cfg)
+        self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
+        self.log.note(f"starting topology: {self.cfg.train.world_size} trainer rank(s), "
+                      f"{self.cfg.engine.num_engines} engine(s){' colocated' if self.cfg.cluster.colocate else ''}, router")
+        init_ray(self.cfg, bundles_needed(self.cfg))  # in the main thread: Ray's signal handlers need it
+        self.top = await asyncio.to_thread(Topology.start, self.cfg, self.run_dir, self.model_dir, self.token)
+        self.client = EngineClient(self.top.router_url, admin_token=self.token)
+        self.manager = RolloutManager(self.cfg.rollout, self.source, self.client, self.tokenizer, seed=self.cfg.seed,
+                                      eval_prompts=self.evals)
+        self.version = 0
+        self.step = 0
+
+    async def _sync_weights(self, version: int) -> dict:
+        """Pause the engines, push the trainer's weights as `version`, continue."""
+        t0 = time.perf_counter()
+        await self.client.pause(self.cfg.engine.pause_mode)
+        w = self.cfg.weights
+        opts = {"bucket_mb": w.bucket_mb, "run_dir": str(self.run_dir)}
+        try:
+            report = await self.top.acall("push_weights", w.transport, self.top.engine_urls, self.token, version, opts)
+        finally:
+            await self.client.resume()
+        if w.verify:
+            from furlong.weights import verify
+
+            trainer_sums = await self.top.acall("weight_checksums")
+            await asyncio.to_thread(verify, self.top.engine_urls, self.token, trainer_sums)
+        self.version = version
+        return {"weight_sync/seconds": time.perf_counter() - t0, **{f"weight_sync/{k}": v for k, v in report.items()
+                                                                     if isinstance(v, (int, float))}}
+
+    # ------------------------------------------------------------------ phases
+    async def sft_warmup(self) -> None:
+        steps = self.cfg.train.sft_steps
+        if not steps or self.resume:
+            return
+        chat = self.cfg.data.apply_chat_template
+        bs = self.cfg.train.global_batch_size
+        with self.log.progress("SFT warm-up", steps) as advance:
+            for i in range(steps):
+                prompts = self.source.next_batch(bs)
+                m = await self.top.acall("sft_step", sft_samples(prompts, self.tokenizer, chat))
+                advance(f"loss {m.get('loss', float('nan')):.3f}")
+        await self._sync_weights(0)
+
+    async def evaluate(self, label: str) -> dict[str, float]:
+        if not self.evals:
+            return {}
+        metrics = await self.manager.evaluate(self.step)
+        self.log.note(f"eval ({label}): " + " ".join(f"{k}={v:.3f}" for k, v in sorted(metrics.items())))
+        return metrics
+
+    def _save(self, step: int) -> None:
+        path = self.run_dir / "checkpoints" / f"step_{step}"
+        self.top.call("save", str(path))
+        state = {"step": step, "version": self.version, "data": self.source.state_dict(),
+                 "rollout": self.manager.state_dict(), "log": self.log.state_dict()}
+        tmp = path / (DRIVER_STATE + ".tmp")
+        tmp.write_text(json.dumps(state))
+        tmp.rename(path / DRIVER_STATE)  # written last: its presence marks the checkpoint complete
+        keep = self.cfg.train.keep_checkpoints
+        if keep:
+            done = sorted((p for p in path.parent.glob("step_*") if (p / DRIVER_STATE).exists()),
+                          key=lambda p: int(p.name.split("_")[1]))
+            for old in done[:-keep]:
+                import shutil
+
+                shutil.rmtree(old, ignore_errors=True)
+
+    async def _restore(self) -> None:
+        ckpt = latest_checkpoint(self.run_dir)
+        if ckpt is None:
+            self.log.note("no complete checkpoint yet: starting from step 0")
+            self.resume = False
+            return
+        state = json.loads((ckpt / DRIVER_STATE).read_text())
+        self.step = await asyncio.to_thread(self.top.call, "load", str(ckpt))
+        self.source.load_state_dict(state["data"])
+        self.manager.load_state_dict(state["rollout"])
+        self.log.load_state_dict(state.get("log", {}))
+        self.step = state["step"]
+        await self._sync_weights(state["version"])
+        await self.manager.on_weights_updated(state["version"])
+        self.log.note(f"resumed from {ckpt} at step {self.step}")
+
+    async def train(self) -> dict[str, Any]:
+        cfg = self.cfg
+        total = cfg.train.total_steps
+        every = cfg.train.checkpoint_every
+        with self.log.progress("RL", total, start=self.step) as advance:
+            while self.step < total:
+                step = self.step
+                t0 = time.perf_counter()
+                batch = await self.manager.next_batch(step)
+                t_gen = time.perf_counter()
+                per_opt = await self.top.acall("train_rollout", batch)
+                t_train = time.perf_counter()
+                await self.manager.before_weight_sync()
+                sync = await self._sync_weights(step + 1)
+                self.step = step + 1
+                if every and self.step % every == 0 and self.step < total:
+                    await asyncio.to_thread(self._save, self.step)
+                await self.manager.on_weights_updated(self.step)
+                metrics = self.log.step_metrics(batch, per_opt, self.manager.stats())
+                metrics.update(sync)
+                metrics.update({"time/rollout_wait_s": t_gen - t0, "time/train_s": t_train - t_gen,
+                                "time/step_s": time.perf_counter() - t0,
+                                "perf/samples_per_s": len(batch) / (time.perf_counter() - t0)})
+                ev = await self.manager.maybe_evaluate(step)
+                if ev:
+                    metrics.update({f"eval/{k}": v for k, v in ev.items()})
+                self.log.write(self.step, metrics)
+                advance(self.log.summary(self.step, metrics))
+        await self.manager.before_weight_sync()
+        await asyncio.to_thread(self._save, self.step)
+        return {"steps": self.step}
+
+    async def run(self) -> dict[str, Any]:
+        t0 = time.perf_counter()
+        self._prepare()
+        try:
+            await self._start()
+            if self.resume:
+                await self._restore()
+            await self.sft_warmup()
+            before = await self.evaluate("before RL") if self.step == 0 else {}
+            result = await self.train()
+            after = await self.evaluate("after RL")
+            result.update(before={k: v for k, v in before.items()}, after=after,
+                          minutes=(time.perf_counter() - t0) / 60, run_dir=str(self.run_dir),
+                          rollout_stats=self.manager.stats())
+            (self.run_dir / "result.json").write_text(json.dumps(result, indent=2, default=str))
+            return result
+        finally:
+            await self.close()
+
+    async def close(self) -> None:
+        if self.manager is not None:
+            try:
+                await self.manager.close()
+            except Exception:
+                pass
+        if self.top is not None:
+            await asyncio.to_thread(self.top.shutdown)
+            self.top = None
+        if getattr(self, "log", None) is not None:
+            self.log.close()
+
+
+def load_run_config(run_dir: str | Path, overrides: list[str]) -> Any:
+    from furlong.config import load_config
+
+    path = Path(run_dir) / "config.yaml"
+    if not path.exists():
+        raise SystemExit(f"--resume: {path} does not exist (not a furlong run directory)")
+    return load_config(str(path), overrides)
+
+
+def main(argv: list[str]) -> int:
+    from furlong.config import ConfigError, load_config
+
+    p = argparse.ArgumentParser(prog="furlong train", description=__doc__.split("\n")[0])
+    p.add_argument("recipe", nargs="?", help="YAML recipe (see recipes/)")
+    p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. rollout.n_samples_per_prompt=8")
+    p.add_argument("--resume", metavar="RUN_DIR", help="continue a run from its directory alone")
+    args = p.parse_args(argv)
+    overrides = list(args.overrides)
+    if args.recipe and "=" in args.recipe:
+        overrides.insert(0, args.recipe)
+        args.recipe = None
+    try:
+        cfg = load_run_config(args.resume, overrides) if args.resume else load_config(args.recipe, overrides)
+    except ConfigError as e:
+        print(f"furlong train: {e}", file=sys.stderr)
+        return 2
+    run = Run(cfg, resume=bool(args.resume))
+
+    def interrupted(*_: Any) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, interrupted)
+    try:
+        result = asyncio.run(run.run())
+    except KeyboardInterrupt:
+        print("furlong train: interrupted; the run can continue with --resume " + str(run.run_dir), file=sys.stderr)
+        return 130
+    print(json.dumps({k: result[k] for k in ("steps", "before", "after", "minutes", "run_dir")}, default=str))
+    return 0

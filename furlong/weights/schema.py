@@ -1,0 +1,63 @@
+"""The engine's parameter schema (name → shape, dtype), so a whole sync is checked before it starts.
+
+Why: the engine refuses a bad name or shape atomically, but per request; a
+bucketed sync is many requests, and a refusal in bucket 3 would leave buckets
+1–2 applied. Knowing the schema up front turns that into an error before the
+first byte moves.
+
+Where it comes from, cheapest first: the engine's `model_path` (from
+`/get_model_info`) when this machine can read it — the model is built on the
+meta device, which costs no memory — else the engine's per-tensor checksum
+endpoint (`/get_weights_checksum`, see `verify`), which also lists shapes.
+With neither, the check is skipped and only the engine's per-request check
+remains (said in the error message of a failed sync).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Iterable
+
+import httpx
+import torch
+
+Schema = dict[str, tuple[tuple[int, ...], str]]
+
+
+def model_schema(model_path: str | Path, dtype: str) -> Schema:
+    """Names and shapes of the HF model at `model_path`, built on the meta device (no weights read)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.from_pretrained(str(model_path))
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(cfg)
+    return {n: (tuple(t.shape), dtype) for n, t in model.state_dict().items()}
+
+
+def engine_schema(client: httpx.Client, url: str) -> Schema | None:
+    info = client.get(url + "/get_model_info")
+    info.raise_for_status()
+    info = info.json()
+    path = info.get("model_path")
+    if path and (Path(path) / "config.json").exists():
+        return model_schema(path, str(info.get("dtype", "float32")))
+    r = client.post(url + "/get_weights_checksum", json={})
+    if r.status_code == 200:
+        return {n: (tuple(s["shape"]), s["dtype"]) for n, s in r.json()["tensors"].items()}
+    return None
+
+
+def check_against(schema: Schema | None, items: Iterable[tuple[str, tuple[int, ...], torch.dtype]], url: str) -> None:
+    """Raise `WeightSyncError` naming the first tensor the engine at `url` would refuse."""
+    from furlong.weights.sync import WeightSyncError
+
+    if schema is None:
+        return
+    for name, shape, dtype in items:
+        if name not in schema:
+            raise WeightSyncError(f"tensor {name!r}: no such parameter in the engine model at {url}; nothing was sent")
+        want, want_dtype = schema[name]
+        if tuple(shape) != want:
+            raise WeightSyncError(f"tensor {name!r}: shape {list(shape)} != engine shape {list(want)} at {url}; nothing was sent")
+        if not dtype.is_floating_point and str(dtype).removeprefix("torch.") != want_dtype:
+            raise WeightSyncError(f"tensor {name!r}: dtype {dtype} cannot load into {want_dtype} at {url}; nothing was sent")

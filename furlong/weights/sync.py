@@ -1,0 +1,288 @@
+"""Trainer → engine weight sync behind one interface: `make_sender(transport).push(named, version)`.
+
+Every transport shares the same contract, so the driver never branches on it:
+
+* **versioned once per sync** — the engine stamps `weight_version` on every
+  request it applies, so all buckets but the last carry the engine's *current*
+  version and only the last carries the new one: a token can never carry the
+  new version before every bucket has landed. (Tokens generated *between*
+  buckets see mixed weights under the old stamp unless the engines are paused
+  — `pause_mode` does that for callers that have no pause of their own.)
+* **all or nothing for bad input** — the engine checks names and shapes per
+  request, but a sync is many requests. The sender therefore checks the whole
+  sync against the engine's parameter schema (`schema.engine_schema`) before
+  the first byte moves, and a bad name or shape raises `WeightSyncError`
+  naming the tensor while every engine keeps its old weights.
+* **ordered per engine, overlapped across engines** — each engine has one
+  lane (a one-thread executor), so bucket k+1 reaches it after bucket k was
+  applied, while different engines load in parallel and the sender prepares
+  the next bucket.
+
+The transports (`shm`, `delta`, `broadcast`, `p2p`, `disk`) only decide how
+one bucket travels; see their modules.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Protocol
+
+import httpx
+import torch
+
+from furlong.weights.schema import Schema, check_against, engine_schema
+
+TRANSPORTS = ("shm", "broadcast", "p2p", "disk", "delta")
+PAUSE_MODES = ("retract", "in_place", "abort")
+
+
+class WeightSyncError(RuntimeError):
+    """A sync that did not fully land; `report` says what each engine did (None before any send)."""
+
+    def __init__(self, message: str, report: "SyncReport | None" = None):
+        super().__init__(message)
+        self.report = report
+
+
+@dataclass
+class EngineResult:
+    url: str
+    ok: bool = True
+    weight_version: int | None = None  # what the engine reported after its last applied request
+    requests: int = 0
+    error: str | None = None
+
+
+@dataclass
+class SyncReport:
+    transport: str
+    version: int
+    bytes: int = 0  # payload bytes of one copy of the sent tensors (not multiplied by engines)
+    seconds: float = 0.0
+    buckets: int = 0
+    tensors: int = 0
+    unchanged: int = 0  # delta: tensors not sent because their checksum did not change
+    engines: dict[str, EngineResult] = field(default_factory=dict)
+
+    @property
+    def gbps(self) -> float:
+        return self.bytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
+
+    @property
+    def ok(self) -> bool:
+        return all(e.ok for e in self.engines.values())
+
+    def summary(self) -> str:
+        bad = [f"{u}: {e.error}" for u, e in self.engines.items() if not e.ok]
+        head = (f"{self.transport} v{self.version}: {self.tensors} tensors, {self.bytes / 1e6:.1f} MB in "
+                f"{self.buckets} buckets, {self.seconds:.3f} s ({self.gbps:.2f} GB/s) to {len(self.engines)} engines")
+        return head + (f"; FAILED {'; '.join(bad)}" if bad else "")
+
+
+class WeightSender(Protocol):
+    def connect(self, engine_urls: list[str], admin_token: str | None) -> None: ...
+
+    def push(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int, *,
+             pause_mode: str | None = None) -> SyncReport: ...
+
+    def close(self) -> None: ...
+
+
+def nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def buckets(items: list[tuple[str, torch.Tensor]], bucket_bytes: int) -> list[list[tuple[str, torch.Tensor]]]:
+    """Consecutive groups of at most `bucket_bytes` (a bigger tensor travels alone); never empty."""
+    out: list[list[tuple[str, torch.Tensor]]] = []
+    size = bucket_bytes
+    for name, t in items:
+        if not out or size + nbytes(t) > bucket_bytes:
+            out.append([])
+            size = 0
+        out[-1].append((name, t))
+        size += nbytes(t)
+    return out
+
+
+class Sender:
+    """Shared machinery: engine connections, schema check, versions, pause, per-engine lanes.
+
+    Subclasses implement `_send(items, version, report)`; inside it they call
+    `_post_all` per bucket and `_body_version(url, last)` for the stamp.
+    """
+
+    transport = ""
+
+    def __init__(self, bucket_mb: float = 64, timeout_s: float = 600.0, check_schema: bool = True):
+        if bucket_mb <= 0:
+            raise ValueError(f"bucket_mb: must be positive, got {bucket_mb}")
+        self.bucket_bytes = int(bucket_mb * 2**20)
+        self.timeout_s = timeout_s
+        self.check_schema = check_schema
+        self.urls: list[str] = []
+        self.client: httpx.Client | None = None
+        self.schema: dict[str, Schema] = {}
+        self._lanes: dict[str, ThreadPoolExecutor] = {}
+        self._current: dict[str, int] = {}
+        self._new_version = 0
+        self._report: SyncReport | None = None
+
+    # ------------------------------------------------------------------ lifecycle
+    def connect(self, engine_urls: list[str], admin_token: str | None) -> None:
+        if not engine_urls:
+            raise ValueError("engine_urls: at least one engine is needed")
+        self.close()
+        self.urls = [u.rstrip("/") for u in engine_urls]
+        headers = {"Authorization": f"Bearer {admin_token}"} if admin_token else {}
+        self.client = httpx.Client(headers=headers, timeout=self.timeout_s)
+        self._lanes = {u: ThreadPoolExecutor(1, thread_name_prefix="weight-sync") for u in self.urls}
+        if self.check_schema:
+            self.schema = {u: engine_schema(self.client, u) for u in self.urls}
+
+    def close(self) -> None:
+        for lane in self._lanes.values():
+            lane.shutdown(wait=True)
+        self._lanes = {}
+        if self.client is not None:
+            self.client.close()
+            self.client = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ push
+    def push(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int, *,
+             pause_mode: str | None = None) -> SyncReport:
+        """Send one full (or delta) set of weights and stamp `version` once on every engine.
+
+        The iterable is drained first (references only: no copy) so the whole
+        sync is checked before anything is sent.
+        """
+        if self.client is None:
+            raise RuntimeError("push: call connect(engine_urls, admin_token) first")
+        if pause_mode is not None and pause_mode not in PAUSE_MODES:
+            raise ValueError(f"pause_mode: unknown mode {pause_mode!r}; choose one of {list(PAUSE_MODES)} or None")
+        items = self._prepare(named_tensors)
+        report = SyncReport(self.transport, int(version), engines={u: EngineResult(u) for u in self.urls})
+        self._report, self._new_version = report, int(version)
+        self._current = {u: self._get(u, "/get_weight_version")["weight_version"] for u in self.urls}
+        if pause_mode:
+            self._control("/pause_generation", {"mode": pause_mode})
+        t0 = time.perf_counter()
+        try:
+            self._send(items, report)
+        finally:
+            report.seconds = time.perf_counter() - t0
+            if pause_mode:
+                self._control("/continue_generation", {})
+        if not report.ok:
+            raise WeightSyncError(f"weight sync failed: {report.summary()}", report)
+        return report
+
+    def _prepare(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+        items: list[tuple[str, torch.Tensor]] = []
+        seen: set[str] = set()
+        for i, pair in enumerate(named_tensors):
+            if not (isinstance(pair, tuple) and len(pair) == 2 and isinstance(pair[0], str) and isinstance(pair[1], torch.Tensor)):
+                raise WeightSyncError(f"named_tensors[{i}]: expected a (name, Tensor) pair, got {type(pair).__name__}")
+            if pair[0] in seen:
+                raise WeightSyncError(f"tensor {pair[0]!r}: given twice in one sync")
+            seen.add(pair[0])
+            items.append(pair)
+        if not items:
+            raise WeightSyncError("named_tensors: nothing to send")
+        for url, schema in self.schema.items():
+            check_against(schema, [(n, tuple(t.shape), t.dtype) for n, t in items], url)
+        return items
+
+    def _send(self, items: list[tuple[str, torch.Tensor]], report: SyncReport) -> None:
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------ helpers for transports
+    def _body_version(self, url: str, last: bool) -> int:
+        """The stamp for one request: the new version on the last one only."""
+        return self._new_version if last else self._current[url]
+
+    def _post_all(self, path: str, body_for) -> dict[str, Future]:
+        """Queue one request per engine on its lane; `body_for(url)` builds the body."""
+        return {u: self._lanes[u].submit(self._lane_post, u, path, body_for(u)) for u in self.urls}
+
+    def _lane_post(self, url: str, path: str, body: dict[str, Any]) -> None:
+        res = self._report.engines[url]
+        if not res.ok:  # an earlier bucket failed on this engine: do not pile more on it
+            return
+        try:
+            out = self._post(url, path, body)
+            res.weight_version = out.get("weight_version", res.weight_version)
+            res.requests += 1
+        except WeightSyncError as e:
+            res.ok, res.error = False, str(e)
+
+    def _post(self, url: str, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        assert self.client is not None
+        try:
+            r = self.client.post(url + path, json=body)
+        except httpx.HTTPError as e:
+            raise WeightSyncError(f"{url}{path}: {type(e).__name__}: {e}") from None
+        if r.status_code != 200:
+            raise WeightSyncError(f"{url}{path}: HTTP {r.status_code}: {error_text(r)}")
+        out = r.json()
+        if isinstance(out, dict) and out.get("success") is False:
+            raise WeightSyncError(f"{url}{path}: {out.get('message')}")
+        return out
+
+    def _get(self, url: str, path: str) -> dict[str, Any]:
+        assert self.client is not None
+        try:
+            r = self.client.get(url + path)
+        except httpx.HTTPError as e:
+            raise WeightSyncError(f"{url}{path}: {type(e).__name__}: {e}") from None
+        if r.status_code != 200:
+            raise WeightSyncError(f"{url}{path}: HTTP {r.status_code}: {error_text(r)}")
+        return r.json()
+
+    def _control(self, path: str, body: dict[str, Any]) -> None:
+        for f in [self._lanes[u].submit(self._post, u, path, body) for u in self.urls]:
+            f.result()
+
+    @staticmethod
+    def _wait(futures: dict[str, Future]) -> None:
+        for f in futures.values():
+            f.result()
+
+
+def error_text(r: httpx.Response) -> str:
+    try:
+        body = r.json()
+    except ValueError:
+        return r.text[:500]
+    err = body.get("error") if isinstance(body, dict) else None
+    if isinstance(err, dict):
+        return str(err.get("message"))
+    return str(body.get("detail", body) if isinstance(body, dict) else body)[:500]
+
+
+def make_sender(transport: str, **opts: Any) -> WeightSender:
+    """The sender for `weights.transport`; `opts` are the transport's keyword options (e.g. bucket_mb)."""
+    if transport == "shm":
+        from furlong.weights.shm import ShmSender as cls
+    elif transport == "delta":
+        from furlong.weights.shm import DeltaSender as cls
+    elif transport == "broadcast":
+        from furlong.weights.broadcast import BroadcastSender as cls
+    elif transport == "p2p":
+        from furlong.weights.p2p import P2PSender as cls
+    elif transport == "disk":
+        from furlong.weights.disk import DiskSender as cls
+    else:
+        raise ValueError(f"weights.transport: unknown transport {transport!r}; choose one of {list(TRANSPORTS)}")
+    try:
+        return cls(**opts)
+    except TypeError as e:
+        raise ValueError(f"weights.transport={transport}: {e}") from None

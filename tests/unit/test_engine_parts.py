@@ -1,0 +1,74 @@
+"""Pure pieces of the engine: block pool, sampler transforms, shared-memory tensors, request validation."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from furlong.engine import protocol as P
+from furlong.engine.kv_cache import BlockPool
+from furlong.engine.sampler import SamplingParams, sample
+from furlong.weights.tensors import checksum, read_shm, write_shm
+
+
+def test_block_pool_prefix_match_evict_and_flush():
+    pool = BlockPool(num_blocks=4, block_size=2)
+    toks = [1, 2, 3, 4, 5]
+    blocks = [pool.alloc() for _ in range(3)]
+    hashes: list[int] = []
+    pool.register(blocks, hashes, toks, n_cached=5)
+    assert len(hashes) == 2  # two full blocks named, the partial third is not
+    pool.release(blocks)
+    assert pool.available == 4 and len(pool.evictable) == 2
+    got, _ = pool.match([1, 2, 3, 4, 9])
+    assert got == blocks[:2] and pool.hit_tokens == 4
+    assert pool.match([1, 2, 3, 4])[0] == blocks[:1]  # the last token is always recomputed
+    pool.release(got + blocks[:1])
+    assert [pool.alloc() for _ in range(4)] and pool.alloc() is None  # evictable blocks were reused
+    assert pool.by_hash == {}
+    pool.flush()
+    assert pool.epoch == 1
+
+
+def test_sampler_top_p_keeps_the_smallest_nucleus():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    seen = set()
+    for seed in range(200):
+        g = torch.Generator().manual_seed(seed)
+        toks, lp = sample(logits, [SamplingParams(top_p=0.7)], [g])
+        seen.add(toks[0])
+    assert seen == {0, 1}
+    assert torch.allclose(lp, torch.log_softmax(logits, -1))  # reported log-probs are the raw model's
+    toks, _ = sample(logits, [SamplingParams(temperature=0)], [None])
+    assert toks == [0]
+
+
+def test_shared_memory_round_trip_and_checksum():
+    named = {"a": torch.arange(6.0).view(2, 3), "b": torch.tensor([1, 2], dtype=torch.int64), "c": torch.ones(3, dtype=torch.bfloat16)}
+    shm, handle = write_shm(named)
+    try:
+        back = read_shm(handle)
+        assert all(torch.equal(back[k], v) and back[k].dtype == v.dtype for k, v in named.items())
+        assert handle["tensors"][0]["crc32"] == checksum(named["a"])
+        shm.buf[0] = 99  # corrupt tensor "a"
+        with pytest.raises(ValueError, match=r"tensors\[a\]: checksum mismatch"):
+            read_shm(handle)
+        bad = {**handle, "tensors": [{**handle["tensors"][1], "shape": [100]}]}
+        with pytest.raises(ValueError, match=r"tensors\[b\]"):
+            read_shm(bad)
+    finally:
+        shm.close()
+        shm.unlink()
+    with pytest.raises(ValueError, match="shm_name"):
+        read_shm({"shm_name": "furlong-does-not-exist"})
+
+
+def test_protocol_names_the_field():
+    with pytest.raises(P.BadRequest, match=r"^sampling_params.top_k"):
+        P.parse(P.GenerateIn, {"input_ids": [1], "sampling_params": {"top_k": 1.5}})
+    with pytest.raises(P.BadRequest, match="input_ids: token id 7"):
+        P.check_prompt([1, 7], "input_ids", vocab=5, max_context=10, kv_tokens=100)
+    with pytest.raises(P.BadRequest, match="KV cache"):
+        P.check_prompt([1, 2, 3], "input_ids", vocab=5, max_context=10, kv_tokens=3)
+    sp = P.to_sampling(P.SamplingParamsIn(sampling_seed=4, stop="x"), prompt_len=3, max_context=10, default_max=128)
+    assert sp.seed == 4 and sp.stop == ["x"] and sp.max_new_tokens == 7
