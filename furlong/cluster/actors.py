@@ -104,7 +104,7 @@ class TrainerActor:
             self.sender = make_sender(transport, rank=self.rank, world_size=self.world_size, **opts)
             self.sender.connect(urls, admin_token)
         report = self.sender.push(self.trainer.state_dict_for_sync(), version)
-        return report if isinstance(report, dict) else getattr(report, "__dict__", {"report": str(report)})
+        return {k: v for k, v in vars(report).items() if isinstance(v, (int, float, str))}
 
     def weight_checksums(self) -> dict[str, int]:
         from furlong.weights.tensors import checksum

@@ -112,7 +112,8 @@ class Topology:
         port = r.port or free_port()
         argv = furlong_argv("router", *sum((["--engine", u] for u in top.engine_urls), []), "--host", r.host,
                             "--port", str(port), "--policy", r.policy, "--admin-token", admin_token,
-                            "--health-interval", str(r.health_interval_s), "--health-timeout", str(r.health_timeout_s))
+                            "--health-interval", str(r.health_interval_s), "--health-timeout", str(r.health_timeout_s),
+                            "--unhealthy-after", str(r.unhealthy_after), "--max-retries", str(r.max_retries))
         top.router = ProcessActor.options(num_cpus=0).remote("router", argv, port, str(logs / "router.log"), 1)
         top.router_url = ray.get(top.router.start.remote())
         return top

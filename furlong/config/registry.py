@@ -25,7 +25,7 @@ import difflib
 import functools
 import importlib
 import inspect
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
@@ -47,7 +47,11 @@ if TYPE_CHECKING:
 class Buffer(Protocol):
     """Groups in flight or finished, in the order their prompts were taken (see `rollout/buffer.py`)."""
 
+    capacity: int
+
     def __len__(self) -> int: ...
+    def __getitem__(self, i: int) -> Group: ...
+    def __iter__(self) -> Iterator[Group]: ...
     def push(self, group: Group) -> None: ...
     def popleft(self) -> Group: ...
     async def wait_for_space(self) -> None: ...

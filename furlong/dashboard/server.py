@@ -116,17 +116,19 @@ def url_of(sock: socket.socket) -> str:
     return f"http://{f'[{host}]' if ':' in host else host}:{port}/"
 
 
-def make_server(run_dir: str | Path, *, follow: bool = False) -> Any:
+def make_server(run_dir: str | Path, *, follow: bool = False, poll_s: float = 2.0) -> Any:
     import uvicorn
 
-    config = uvicorn.Config(create_app(run_dir, follow=follow), log_level="warning", access_log=False, lifespan="off")
+    config = uvicorn.Config(create_app(run_dir, follow=follow, poll_s=poll_s), log_level="warning", access_log=False, lifespan="off")
     return uvicorn.Server(config)
 
 
-def serve_in_thread(run_dir: str | Path, *, host: str = "127.0.0.1", port: int = 0, follow: bool = True, timeout_s: float = 30.0) -> DashboardHandle:
+def serve_in_thread(
+    run_dir: str | Path, *, host: str = "127.0.0.1", port: int = 0, follow: bool = True, poll_s: float = 2.0, timeout_s: float = 30.0
+) -> DashboardHandle:
     """Start the dashboard in a daemon thread of this process; returns once it answers."""
     sock = bind(host, port)
-    server = make_server(run_dir, follow=follow)
+    server = make_server(run_dir, follow=follow, poll_s=poll_s)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="furlong-dashboard", daemon=True)
     thread.start()
     deadline = time.monotonic() + timeout_s

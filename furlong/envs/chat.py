@@ -24,9 +24,10 @@ Everything appended gets loss mask 0: only policy tokens are trained.
 
 from __future__ import annotations
 
+from itertools import groupby
 from typing import Any
 
-from furlong.rollout.sample import Source
+from furlong.rollout.sample import Sample, Source
 
 DUMMY = [{"role": "user", "content": "u"}, {"role": "assistant", "content": "a"}]
 
@@ -116,3 +117,12 @@ def suffix_ids(tokenizer: Any, messages: list[dict[str, Any]], *, tools: list[di
         src = next((s for a, b, s in spans if start < b and end > a), Source.TEMPLATE)
         sources.append(src.value)
     return [int(t) for t in enc["input_ids"]], sources
+
+
+def append_runs(sample: Sample, ids: list[int], sources: list[str]) -> None:
+    """Append non-policy tokens to `sample`, one `Sample.append` per run of one source (loss mask 0)."""
+    start = 0
+    for source, run in groupby(sources):
+        n = len(list(run))
+        sample.append(ids[start : start + n], source=source)
+        start += n

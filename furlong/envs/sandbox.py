@@ -6,7 +6,7 @@ hurt only the sandbox, never the trainer, the engine or the host, and the reward
 must learn *what happened* (timeout, memory, killed) rather than crash.
 
 Each `run(code)` writes the code into a fresh temporary directory and starts
-`python -I main.py` there, in its own session (process group), with, applied in
+`python -E -s main.py` there (its directory importable), in its own session (process group), with, applied in
 `preexec_fn` between fork and exec:
 
 - **limits** (`resource.setrlimit`): CPU seconds, address space (memory), file
@@ -174,15 +174,15 @@ def _landlock(workdir: str, *, net: bool) -> bool:
         os.close(ruleset)
 
 
-async def _read_capped(stream: asyncio.StreamReader, cap: int) -> tuple[bytes, bool]:
-    """Read a stream to its end, keeping the first `cap` bytes (draining the rest so the child never blocks)."""
-    kept, truncated = bytearray(), False
+async def _read_capped(stream: asyncio.StreamReader, cap: int, kept: bytearray) -> bool:
+    """Read a stream to its end into `kept`, keeping the first `cap` bytes (draining the rest so the
+    child never blocks on a full pipe); returns whether anything was dropped."""
+    truncated = False
     while chunk := await stream.read(65536):
         room = cap - len(kept)
-        if len(chunk) > room:
-            truncated = True
+        truncated |= len(chunk) > room
         kept += chunk[: max(room, 0)]
-    return bytes(kept), truncated
+    return truncated
 
 
 def _kill_all(pgid: int, uid: int | None) -> None:
@@ -225,12 +225,14 @@ class LocalSandbox:
         tell a wrong answer from a contained escape attempt.
         """
         limits = SandboxLimits(**{**self.limits.__dict__, "timeout_s": timeout_s or self.limits.timeout_s})
+        files = {**(files or {}), "main.py": code}
+        for name in files:
+            if Path(name).is_absolute() or ".." in Path(name).parts:
+                raise ValueError(f"LocalSandbox.run: file name {name!r} leaves the sandbox directory")
         workdir = tempfile.mkdtemp(prefix="furlong-sandbox-")
         uid = random.randrange(*UID_RANGE) if os.geteuid() == 0 else None
-        for name, text in {**(files or {}), "main.py": code}.items():
-            target = (Path(workdir) / name).resolve()
-            if Path(workdir).resolve() not in target.parents:
-                raise ValueError(f"LocalSandbox.run: file name {name!r} leaves the sandbox directory")
+        for name, text in files.items():
+            target = Path(workdir) / name
             target.parent.mkdir(parents=True, exist_ok=True)
             target.write_text(text)
         if uid is not None:
@@ -243,7 +245,7 @@ class LocalSandbox:
         start = time.monotonic()
         try:
             proc = await asyncio.create_subprocess_exec(
-                self.python, "-I", "main.py", cwd=workdir, env=env, start_new_session=True, pass_fds=(write_fd,),
+                self.python, "-E", "-s", "main.py", cwd=workdir, env=env, start_new_session=True, pass_fds=(write_fd,),
                 stdin=asyncio.subprocess.PIPE if stdin else asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
                 preexec_fn=lambda: _isolate(limits, workdir, uid, write_fd))
         except BaseException:
@@ -256,30 +258,44 @@ class LocalSandbox:
             isolation = json.loads(os.read(read_fd, 4096) or b"{}")
         finally:
             os.close(read_fd)
-        timed_out = False
-        reads = asyncio.gather(_read_capped(proc.stdout, limits.max_output_bytes),
-                               _read_capped(proc.stderr, limits.max_output_bytes), proc.wait())
-        try:
+        out, err = bytearray(), bytearray()
+        reads = asyncio.gather(_read_capped(proc.stdout, limits.max_output_bytes, out),
+                               _read_capped(proc.stderr, limits.max_output_bytes, err))
+
+        async def main_exit() -> int:
+            """main.py's exit status. Not `proc.wait()`: that also waits for the pipes to close,
+            which a child that outlives main.py would hold open until the timeout."""
             if stdin:
                 proc.stdin.write(stdin.encode())
                 proc.stdin.close()
-            (out, out_cut), (err, err_cut), code_ = await asyncio.wait_for(asyncio.shield(reads), limits.timeout_s)
-        except (TimeoutError, asyncio.CancelledError) as e:
-            timed_out = isinstance(e, TimeoutError)
+            delay = 0.001
+            while proc.returncode is None:
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 0.02)
+            return proc.returncode
+
+        timed_out = escaped = False
+        try:
+            code_ = await asyncio.wait_for(main_exit(), limits.timeout_s)
+        except TimeoutError:
+            timed_out = True
+        finally:  # also reaches children that outlived main.py and still hold its pipes open
             _kill_all(proc.pid, uid)
-            (out, out_cut), (err, err_cut), code_ = await reads
-            if not timed_out:
-                raise
-        finally:
-            _kill_all(proc.pid, uid)  # grandchildren that outlived main.py
-            shutil.rmtree(workdir, ignore_errors=True)
+            try:
+                code_ = await main_exit()
+                out_cut, err_cut = await asyncio.wait_for(asyncio.shield(reads), 2.0)
+            except TimeoutError:  # not root: a child that left the process group keeps the pipes open
+                escaped, out_cut, err_cut = True, False, False
+                reads.cancel()
+            finally:
+                shutil.rmtree(workdir, ignore_errors=True)
         stderr = err.decode(errors="replace")
         status = ("timeout" if timed_out else "ok" if code_ == 0
                   else "memory" if "MemoryError" in stderr
                   else "killed" if code_ < 0 else "error")
         return {"stdout": out.decode(errors="replace"), "stderr": stderr, "exit_code": code_, "status": status,
                 "timed_out": timed_out, "truncated": out_cut or err_cut, "duration_s": time.monotonic() - start,
-                "isolation": isolation}
+                "isolation": isolation, "escaped_processes": escaped}
 
     async def close(self) -> None:
         """Nothing persists between runs: each has its own directory, removed when it ends."""

@@ -160,7 +160,7 @@ class EventStore:
         enabled: bool = True,
         queue_size: int = 10_000,
         batch_size: int = 512,
-        flush_interval_s: float = 0.5,
+        flush_interval_s: float = 0.25,
         max_block_s: float = 0.05,
         writer: Callable[[Mapping[str, list[tuple]]], None] | None = None,
     ):
@@ -206,6 +206,8 @@ class EventStore:
         """A span timed elsewhere (e.g. an engine reporting its own generate time); times are Unix seconds."""
         if end < start:
             raise ValueError(f"EventStore.record_span: end {end} is before start {start} ({worker}/{phase})")
+        if not self.enabled:
+            return
         extra = json.dumps(attrs, default=str) if attrs else None
         self._put(("spans", (str(worker), str(device), str(phase), step, float(start), float(end), extra)))
 
@@ -237,6 +239,8 @@ class EventStore:
         Staleness is `metadata["staleness"]` when the rollout manager set it, else
         `version - oldest policy token version` when `version` (the trainer's) is given.
         """
+        if not self.enabled:
+            return
         samples = list(samples)
         for name, per in (("train_logprobs", train_logprobs), ("advantages", advantages)):
             if per is not None and len(per) != len(samples):
@@ -276,6 +280,7 @@ class EventStore:
             self._queue.put(marker, timeout=timeout_s)
         except queue.Full:
             return False
+        self._wake.set()
         return marker.done.wait(timeout_s)
 
     def close(self, timeout_s: float = 30.0) -> None:
@@ -286,6 +291,7 @@ class EventStore:
         atexit.unregister(self.close)
         if self.enabled and self._pid == os.getpid() and self._thread.is_alive():
             self._queue.put(_STOP)
+            self._wake.set()
             self._thread.join(timeout_s)
         for sink in self.sinks:
             sink.close()
@@ -302,6 +308,7 @@ class EventStore:
     def _start(self) -> None:
         self._pid = os.getpid()
         self._queue: queue.Queue = queue.Queue(self.queue_size)
+        self._wake = threading.Event()
         self._sink_rows = self._custom_writer or SqliteWriter(self.path).write
         self._thread = threading.Thread(target=self._run, name="furlong-events", daemon=True)
         self._thread.start()
@@ -317,7 +324,10 @@ class EventStore:
         self._ensure_writer()
         try:
             self._queue.put_nowait(item)
+            if self._queue.qsize() > self.queue_size // 2:
+                self._wake.set()
         except queue.Full:
+            self._wake.set()
             try:
                 self._queue.put(item, timeout=self.max_block_s)
             except queue.Full:
@@ -328,12 +338,15 @@ class EventStore:
             self.dropped += n
 
     def _run(self) -> None:
+        """Take the first event, linger `flush_interval_s` so a step's writes form one batch (and the encoding
+        runs while the trainer is back in its GIL-free compute), then write what is queued in one transaction.
+        flush(), close() and a queue half full cut the lingering short."""
         q = self._queue
         while True:
-            try:
-                items = [q.get(timeout=self.flush_interval_s)]
-            except queue.Empty:
-                continue
+            items = [q.get()]
+            if isinstance(items[0], tuple):
+                self._wake.wait(self.flush_interval_s)
+            self._wake.clear()
             while len(items) < self.batch_size:
                 try:
                     items.append(q.get_nowait())

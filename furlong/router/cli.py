@@ -36,6 +36,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="token required (Authorization: Bearer) by control and add/remove endpoints")
     p.add_argument("--health-interval", type=float, default=2.0, metavar="S", help="seconds between health probes")
     p.add_argument("--health-timeout", type=float, default=2.0, metavar="S", help="a probe slower than this fails")
+    p.add_argument("--unhealthy-after", type=int, default=2, metavar="N",
+                   help="consecutive failed probes before quarantine (a failed request quarantines at once)")
     p.add_argument("--max-retries", type=int, default=2, help="other engines to try when one dies (default 2)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return p
@@ -54,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         router = Router(args.engine, policy=args.policy, admin_token=args.admin_token,
                         health_interval=args.health_interval, health_timeout=args.health_timeout,
-                        max_retries=args.max_retries)
+                        unhealthy_after=args.unhealthy_after, max_retries=args.max_retries)
     except ValueError as e:
         field, _, problem = str(e).partition(":")  # messages start with the field they blame
         parser.error(f"--{field.replace('_', '-')}:{problem}")

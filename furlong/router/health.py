@@ -1,9 +1,11 @@
 """The router's view of its engines: who is there, who is healthy, how busy each is.
 
 An engine is ``healthy`` (takes requests) or ``quarantined`` (takes none). It is
-quarantined the moment a request to it fails at the transport level or its ``/health``
-probe fails or times out, and re-admitted by the first probe that passes again — so a
-crashed engine restarted on the same address rejoins without anyone telling the router.
+quarantined the moment a request to it fails at the transport level (the engine is gone:
+waiting would only fail more requests), or after ``unhealthy_after`` consecutive ``/health``
+probes fail or time out (one slow probe on a busy machine is not a death). The first probe
+that passes again re-admits it — so a crashed engine restarted on the same address rejoins
+without anyone telling the router.
 Probes run on an interval for every engine, healthy or not, concurrently, so one hung
 engine never delays the verdict on the others.
 """
@@ -53,6 +55,7 @@ class Engine:
     inflight: int = 0
     served: int = 0  # requests answered (any status)
     failures: int = 0  # failed probes and failed requests, all time
+    failed_probes: int = 0  # consecutive
     last_error: str | None = None
     last_change: float = field(default_factory=time.time)
 
@@ -63,6 +66,7 @@ class Engine:
             "inflight": self.inflight,
             "served": self.served,
             "failures": self.failures,
+            "failed_probes": self.failed_probes,
             "last_error": self.last_error,
             "since": self.last_change,
         }
@@ -71,7 +75,7 @@ class Engine:
 class EnginePool:
     """The engines, their states, and the health-check loop."""
 
-    def __init__(self, urls: list[str], interval: float = 2.0, timeout: float = 2.0) -> None:
+    def __init__(self, urls: list[str], interval: float = 2.0, timeout: float = 2.0, unhealthy_after: int = 2) -> None:
         self.engines: dict[str, Engine] = {}
         for url in urls:
             url = normalize_url(url, "engine")
@@ -79,6 +83,7 @@ class EnginePool:
         self.client: aiohttp.ClientSession | None = None  # the router's pooled session, set by start()
         self.interval = interval
         self.timeout = timeout
+        self.unhealthy_after = unhealthy_after
         self._task: asyncio.Task[None] | None = None
 
     def healthy(self) -> list[Engine]:
@@ -112,9 +117,15 @@ class EnginePool:
         if engine.url not in self.engines:  # removed while the probe was in flight
             return ok
         if ok:
+            engine.failed_probes = 0
             self.admit(engine)
         else:
-            self.quarantine(engine, reason)
+            engine.failed_probes += 1
+            if engine.failed_probes >= self.unhealthy_after or engine.state != HEALTHY:
+                self.quarantine(engine, reason)
+            else:
+                engine.failures += 1
+                engine.last_error = reason
         return ok
 
     async def probe_all(self) -> None:

@@ -34,10 +34,10 @@ What it does, and why:
 * **Own endpoints**: ``GET /health`` (200 while any engine is healthy), ``GET /engines``
   (state, in-flight count, failures of each), ``GET /metrics`` (Prometheus text).
 
-Overhead is kept low with one pooled ``aiohttp.ClientSession`` for every upstream call
-(measured on this 2-core machine: ~0.3 ms of router CPU per proxied request against
-~1.9 ms with ``httpx.AsyncClient``) and by not parsing request bodies unless a routing key
-or session affinity needs it.
+Overhead is kept low with one pooled ``aiohttp.ClientSession`` for every upstream call and
+by not parsing request bodies unless a routing key or session affinity needs it. Measured
+on a 2-core machine, the router process spends ~0.7 ms of CPU per proxied ``/generate``
+(its inbound uvicorn included); with ``httpx.AsyncClient`` upstream it spent ~1.5 ms.
 """
 
 from __future__ import annotations
@@ -104,6 +104,7 @@ class Router:
         admin_token: str | None = None,
         health_interval: float = 2.0,
         health_timeout: float = 2.0,
+        unhealthy_after: int = 2,
         max_retries: int = 2,
         connect_timeout: float = 5.0,
         control_timeout: float | None = 600.0,
@@ -112,10 +113,13 @@ class Router:
             raise ValueError(f"health_interval: must be > 0, got {health_interval}")
         if health_timeout <= 0:
             raise ValueError(f"health_timeout: must be > 0, got {health_timeout}")
+        if unhealthy_after < 1:
+            raise ValueError(f"unhealthy_after: must be >= 1, got {unhealthy_after}")
         if max_retries < 0:
             raise ValueError(f"max_retries: must be >= 0, got {max_retries}")
         self.policy = Policy(policy)
-        self.pool = EnginePool(engines, interval=health_interval, timeout=health_timeout)
+        self.pool = EnginePool(engines, interval=health_interval, timeout=health_timeout,
+                               unhealthy_after=unhealthy_after)
         self.admin_token = admin_token or None
         self.max_retries = max_retries
         self.connect_timeout = connect_timeout
@@ -158,7 +162,8 @@ class Router:
         self.counts[f"requests{path}"] += 1
         raw = await request.body()
         key = request.headers.get(ROUTING_HEADER)
-        if request.method == "POST" and (b'"routing_key"' in raw or (key is None and self.policy.name == "session_affinity")):
+        derive = key is None and self.policy.name == "session_affinity"
+        if request.method == "POST" and (derive or b'"routing_key"' in raw):  # else: bytes pass unparsed
             try:
                 body = json.loads(raw)
             except (ValueError, UnicodeDecodeError) as e:
@@ -171,7 +176,7 @@ class Router:
                     return error(400, f"routing_key: expected a string, got {type(body_key).__name__}")
                 key = key if key is not None else body_key
                 raw = json.dumps(body).encode()
-            if key is None and self.policy.name == "session_affinity":
+            if key is None and derive:
                 key = derive_session_key(path, body)
         headers = _request_headers(request)
         tried: list[str] = []
@@ -271,7 +276,8 @@ class Router:
         body: dict[str, Any] = {"ok": not failed, "results": by_engine, "skipped": skipped}
         if failed:
             why = "; ".join(f"{url}: {_summary(r)}" for url, r in by_engine.items() if not r["ok"])
-            body["error"] = {"message": f"{path} failed on {len(failed)} of {len(engines)} engines: {why}", "code": status}
+            message = f"{path} failed on {len(failed)} of {len(engines)} engines: {why}"
+            body["error"] = {"message": message, "code": status}
         return JSONResponse(body, status_code=status)
 
     async def _control_one(self, engine: Engine, path: str, raw: bytes, headers: dict[str, str]) -> dict[str, Any]:
@@ -309,14 +315,16 @@ class Router:
         for name, value in sorted(self.counts.items()):
             if name.startswith("requests/"):
                 lines.append(f'furlong_router_requests_total{{path="{name[len("requests"):]}"}} {value}')
-        lines += ["# TYPE furlong_router_retries_total counter", f"furlong_router_retries_total {self.counts['retries']}"]
-        for metric, kind, attr in (("engine_inflight", "gauge", "inflight"), ("engine_served_total", "counter", "served"),
+        lines += ["# TYPE furlong_router_retries_total counter",
+                  f"furlong_router_retries_total {self.counts['retries']}"]
+        engines = list(self.pool.engines.values())
+        for metric, kind, attr in (("engine_inflight", "gauge", "inflight"),
+                                   ("engine_served_total", "counter", "served"),
                                    ("engine_failures_total", "counter", "failures")):
             lines.append(f"# TYPE furlong_router_{metric} {kind}")
-            lines += [f'furlong_router_{metric}{{engine="{e.url}"}} {getattr(e, attr)}' for e in self.pool.engines.values()]
+            lines += [f'furlong_router_{metric}{{engine="{e.url}"}} {getattr(e, attr)}' for e in engines]
         lines.append("# TYPE furlong_router_engine_healthy gauge")
-        lines += [f'furlong_router_engine_healthy{{engine="{e.url}"}} {int(e.state == HEALTHY)}'
-                  for e in self.pool.engines.values()]
+        lines += [f'furlong_router_engine_healthy{{engine="{e.url}"}} {int(e.state == HEALTHY)}' for e in engines]
         return PlainTextResponse("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
 
     async def _admin_url(self, request: Request) -> str | Response:

@@ -100,8 +100,8 @@ class MetricLog:
 
         parts = [f"reward {f('rollout/reward_mean')}", f"loss {f('train/loss')}", f"kl {f('policy/approx_kl', '.4f')}",
                  f"len {f('rollout/response_len_mean', '.1f')}", f"step {f('time/step_s', '.1f')}s"]
-        if "eval/accuracy" in m:
-            parts.append(f"eval acc {f('eval/accuracy')}")
+        if "eval/greedy_accuracy" in m:
+            parts.append(f"eval acc {f('eval/greedy_accuracy')}")
         return " | ".join(parts)
 
     def write(self, step: int, metrics: dict[str, float]) -> None:
@@ -112,6 +112,14 @@ class MetricLog:
             for k, v in clean.items():
                 if v is not None:
                     self.tb.add_scalar(k, v, step)
+
+    def samples(self, step: int, batch: list[Any]) -> None:
+        """The trained samples of a step, one JSON per line: `samples/step_<n>.jsonl` (exact tokens and provenance)."""
+        out = self.run_dir / "samples"
+        out.mkdir(exist_ok=True)
+        with open(out / f"step_{step}.jsonl", "w") as f:
+            for s in batch:
+                f.write(s.to_json() + "\n")
 
     def state_dict(self) -> dict[str, Any]:
         return {"tokens": self.tokens}

@@ -115,16 +115,11 @@ class Run:
         t0 = time.perf_counter()
         await self.client.pause(self.cfg.engine.pause_mode)
         w = self.cfg.weights
-        opts = {"bucket_mb": w.bucket_mb, "run_dir": str(self.run_dir)}
+        opts = {"bucket_mb": w.bucket_mb, "run_dir": str(self.run_dir), "verify": w.verify}
         try:
             report = await self.top.acall("push_weights", w.transport, self.top.engine_urls, self.token, version, opts)
         finally:
             await self.client.resume()
-        if w.verify:
-            from furlong.weights import verify
-
-            trainer_sums = await self.top.acall("weight_checksums")
-            await asyncio.to_thread(verify, self.top.engine_urls, self.token, trainer_sums)
         self.version = version
         return {"weight_sync/seconds": time.perf_counter() - t0, **{f"weight_sync/{k}": v for k, v in report.items()
                                                                      if isinstance(v, (int, float))}}
@@ -153,8 +148,8 @@ class Run:
     def _save(self, step: int) -> None:
         path = self.run_dir / "checkpoints" / f"step_{step}"
         self.top.call("save", str(path))
-        state = {"step": step, "version": self.version, "data": self.source.state_dict(),
-                 "rollout": self.manager.state_dict(), "log": self.log.state_dict()}
+        # The rollout state holds the data cursor, the buffer and in-flight partial rollouts.
+        state = {"step": step, "version": self.version, "rollout": self.manager.state_dict(), "log": self.log.state_dict()}
         tmp = path / (DRIVER_STATE + ".tmp")
         tmp.write_text(json.dumps(state))
         tmp.rename(path / DRIVER_STATE)  # written last: its presence marks the checkpoint complete
@@ -175,7 +170,6 @@ class Run:
             return
         state = json.loads((ckpt / DRIVER_STATE).read_text())
         self.step = await asyncio.to_thread(self.top.call, "load", str(ckpt))
-        self.source.load_state_dict(state["data"])
         self.manager.load_state_dict(state["rollout"])
         self.log.load_state_dict(state.get("log", {}))
         self.step = state["step"]
@@ -201,6 +195,7 @@ class Run:
                 if every and self.step % every == 0 and self.step < total:
                     await asyncio.to_thread(self._save, self.step)
                 await self.manager.on_weights_updated(self.step)
+                self.log.samples(step, batch)
                 metrics = self.log.step_metrics(batch, per_opt, self.manager.stats())
                 metrics.update(sync)
                 metrics.update({"time/rollout_wait_s": t_gen - t0, "time/train_s": t_train - t_gen,
@@ -208,7 +203,7 @@ class Run:
                                 "perf/samples_per_s": len(batch) / (time.perf_counter() - t0)})
                 ev = await self.manager.maybe_evaluate(step)
                 if ev:
-                    metrics.update({f"eval/{k}": v for k, v in ev.items()})
+                    metrics.update(ev)
                 self.log.write(self.step, metrics)
                 advance(self.log.summary(self.step, metrics))
         await self.manager.before_weight_sync()

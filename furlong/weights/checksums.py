@@ -1,8 +1,9 @@
 """`weights.verify=true`: after a sync, compare every engine's weights with the trainer's by CRC32.
 
-Engine side (the contract this module speaks; SGLang has no equivalent):
+Engine side (the contract this module speaks, served by the built-in engine's
+`furlong/engine/server.py`; SGLang has no equivalent):
 
-    POST /get_weights_checksum          (control endpoint: admin token)
+    POST /get_weights_checksum
     body      {"names": ["model.norm.weight", ...]}   # optional; omitted or null = every tensor
     200       {"weight_version": 3,
                "tensors": {"model.norm.weight": {"dtype": "float32", "shape": [64], "crc32": 123}, ...}}
@@ -17,7 +18,7 @@ engine's dtype before hashing, so a bf16 engine fed fp32 weights still matches.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Iterable
+from typing import Iterable, Mapping
 
 import httpx
 import torch
@@ -52,27 +53,36 @@ def engine_checksums(client: httpx.Client, url: str, names: list[str] | None = N
     return r.json()
 
 
-def verify(engine_urls: list[str], named_tensors: Iterable[tuple[str, torch.Tensor]], admin_token: str | None = None,
-           *, raise_on_mismatch: bool = True, timeout_s: float = 600.0) -> VerifyReport:
-    """Checksum every given tensor on every engine; raise `WeightSyncError` naming the first differing ones."""
-    ours = {n: t for n, t in named_tensors}
+def verify(engine_urls: list[str], admin_token: str | None,
+           expected: Mapping[str, int] | Iterable[tuple[str, torch.Tensor]], *,
+           raise_on_mismatch: bool = True, timeout_s: float = 600.0) -> VerifyReport:
+    """Compare every engine with `expected`; raise `WeightSyncError` naming the first differing tensors.
+
+    `expected` is either name → CRC32 (computed where the tensors live, e.g. in
+    a trainer actor; then the engine must hold the same dtype) or (name,
+    tensor) pairs, which are cast to each engine's dtype before hashing.
+    """
+    items = expected.items() if isinstance(expected, Mapping) else expected
+    ours = dict(items)
     report = VerifyReport(checked=len(ours))
     headers = {"Authorization": f"Bearer {admin_token}"} if admin_token else {}
     with httpx.Client(headers=headers, timeout=timeout_s) as client:
         for url in engine_urls:
-            got = engine_checksums(client, url, list(ours))
+            got = engine_checksums(client, url)  # all: a name the engine lacks is a mismatch, not an error
             report.weight_versions[url] = got.get("weight_version")
             theirs = got.get("tensors", {})
-            bad = []
-            for name, t in ours.items():
-                spec = theirs.get(name)
-                if spec is None or list(spec["shape"]) != list(t.shape):
-                    bad.append(name)
-                    continue
-                if checksum(t.detach().cpu().to(parse_dtype(spec["dtype"]))) != spec["crc32"]:
-                    bad.append(name)
-            report.mismatches[url] = bad
+            report.mismatches[url] = [name for name, want in ours.items() if not matches(want, theirs.get(name))]
     if raise_on_mismatch and not report.ok:
         worst = {u: names[:5] for u, names in report.mismatches.items() if names}
         raise WeightSyncError(f"weights.verify: engine weights differ from the trainer's: {worst}")
     return report
+
+
+def matches(want: int | torch.Tensor, spec: dict | None) -> bool:
+    if spec is None:
+        return False
+    if isinstance(want, torch.Tensor):
+        if list(spec["shape"]) != list(want.shape):
+            return False
+        want = checksum(want.detach().cpu().to(parse_dtype(spec["dtype"])))
+    return int(want) == spec["crc32"]

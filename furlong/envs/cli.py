@@ -1,0 +1,65 @@
+"""`furlong envs ...`: the TITO session server and the sandbox, from the command line.
+
+    furlong envs sessions --engine http://127.0.0.1:30000 --port 31000
+        serve sessions in front of an engine (or the router); an agent uses
+        http://127.0.0.1:31000/sessions/<id>/v1 as its OpenAI base_url
+    furlong envs sandbox FILE.py [--timeout 10] [--memory-mb 1024]
+        run a program in the local sandbox and print the result as JSON,
+        including which isolation layers were in force on this machine
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="furlong envs", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    s = sub.add_parser("sessions", help="serve TITO sessions in front of an engine or the router")
+    s.add_argument("--engine", required=True, help="engine or router URL, e.g. http://127.0.0.1:30000")
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=31000)
+    s.add_argument("--model", default=None, help="tokenizer directory (default: the engine's, from /get_model_info)")
+    b = sub.add_parser("sandbox", help="run a Python file in the local sandbox; print the result as JSON")
+    b.add_argument("file")
+    b.add_argument("--timeout", type=float, default=10.0, help="wall-clock seconds")
+    b.add_argument("--memory-mb", type=int, default=1024)
+    b.add_argument("--network", action="store_true", help="allow network access")
+    args = parser.parse_args(argv)
+    if args.command == "sessions":
+        return _sessions(args)
+    return _sandbox(args)
+
+
+def _sessions(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from furlong.envs.sessions import SessionServer
+
+    tokenizer = None
+    if args.model:
+        from furlong.models import load_tokenizer
+
+        tokenizer = load_tokenizer(args.model)
+    server = SessionServer(args.engine, tokenizer)
+    print(f"furlong sessions on http://{args.host}:{args.port} -> {args.engine}", file=sys.stderr)
+    uvicorn.run(server.app(), host=args.host, port=args.port, log_level="warning", access_log=False)
+    return 0
+
+
+def _sandbox(args: argparse.Namespace) -> int:
+    from furlong.envs.sandbox import LocalSandbox, SandboxLimits
+
+    try:
+        code = open(args.file).read()
+    except OSError as e:
+        print(f"furlong envs sandbox: cannot read {args.file}: {e}", file=sys.stderr)
+        return 2
+    box = LocalSandbox(SandboxLimits(timeout_s=args.timeout, memory_mb=args.memory_mb, network=args.network))
+    result = asyncio.run(box.run(code))
+    print(json.dumps(result, indent=2))
+    return 0 if result["status"] == "ok" else 1
