@@ -67,8 +67,15 @@ class EngineClient:
         self.transport_errors = 0
 
     # ---- generation ------------------------------------------------------
-    async def generate(self, input_ids: list[int], sampling_params: dict[str, Any], **extra: Any) -> dict[str, Any]:
-        """POST /generate with log-probs; retried on transport errors; raises EngineError."""
+    async def generate(
+        self, input_ids: list[int], sampling_params: dict[str, Any], routing_key: str | None = None, **extra: Any
+    ) -> dict[str, Any]:
+        """POST /generate with log-probs; retried on transport errors; raises EngineError.
+
+        `routing_key` travels as the `X-Routing-Key` header (never in the body, which an
+        engine without a router in front would reject), so the router keeps a session on one engine.
+        """
+        headers = {"X-Routing-Key": routing_key} if routing_key else None
         last = ""
         for attempt in range(self.max_retries + 1):
             if attempt:
@@ -81,7 +88,7 @@ class EngineClient:
                 self._idle.clear()
                 self.requests += 1
                 try:
-                    resp = await self._http.post("/generate", json=payload)
+                    resp = await self._http.post("/generate", json=payload, headers=headers)
                 except httpx.TransportError as e:
                     self.transport_errors += 1
                     last = f"{type(e).__name__}: {e}"

@@ -28,11 +28,13 @@ FINISH_STATUS = {"stop": Status.COMPLETED, "length": Status.TRUNCATED, "abort": 
 
 @dataclass
 class RolloutContext:
-    """What a generate function may use: the engine client, the tokenizer (or None), the rollout config."""
+    """What a generate function may use: the engine client, the tokenizer (or None), the rollout
+    config, and the `envs` config section (tools, environment, sandbox) for agentic generate functions."""
 
     client: EngineClient
     tokenizer: Any = None
     config: Any = None
+    envs: Any = None
 
 
 def derive_seed(*parts: Any) -> int:

@@ -83,6 +83,7 @@ class RolloutManager:
         eval_prompts: list[Any] | None = None,
         initial_version: int = 0,
         max_sample_attempts: int = 3,
+        envs: Any = None,
         generate_fn: Callable[..., Any] | None = None,
         reward_fn: Callable[..., Any] | None = None,
         group_reward_fn: Callable[..., Any] | None = None,
@@ -100,7 +101,7 @@ class RolloutManager:
         self.mode: str = c.mode
         self.data_source = data_source
         self.client = client
-        self.ctx = RolloutContext(client=client, tokenizer=tokenizer, config=config)
+        self.ctx = RolloutContext(client=client, tokenizer=tokenizer, config=config, envs=envs)
         self.seed = seed
         self.eval_prompts = list(eval_prompts or [])
         self.max_sample_attempts = max_sample_attempts

@@ -106,7 +106,7 @@ class Run:
         self.top = await asyncio.to_thread(Topology.start, self.cfg, self.run_dir, self.model_dir, self.token)
         self.client = EngineClient(self.top.router_url, admin_token=self.token)
         self.manager = RolloutManager(self.cfg.rollout, self.source, self.client, self.tokenizer, seed=self.cfg.seed,
-                                      eval_prompts=self.evals)
+                                      eval_prompts=self.evals, envs=self.cfg.envs)
         self.version = 0
         self.step = 0
 

@@ -51,7 +51,7 @@
   async function groups(main, p) {
     const d = await F.api(`api/groups${p.step ? "?step=" + p.step : ""}`);
     main.append(F.message(d.message));
-    const head = h("tr", {}, ["step", "group", "n", "reward mean", "± std", "min", "max", "zero variance", "statuses", "mean length"].map((t) => h("th", { text: t })));
+    const head = h("tr", {}, ["step", "group", "n", "reward mean", "± std", "min", "max", "zero variance", "statuses", "mean length"].map((t) => h("th", { text: t, class: ["zero variance", "statuses"].includes(t) ? "" : "num" })));
     main.append(h("table", { id: "groups-table" }, head, d.groups.map((g) => h("tr", {
       class: "group-row", "data-step": g.step, "data-group": g.group, "data-zero": String(g.zero_variance),
       onclick: () => go({ step: g.step, group: g.group }),
