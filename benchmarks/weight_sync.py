@@ -142,62 +142,53 @@ def bench_model(name: str, path: Path, args, workdir: Path) -> list[dict]:
 
 
 def shm_anatomy(path: Path, bucket_mb: float) -> dict[str, float]:
-    """GB/s of the pieces of an shm sync, in this process, no HTTP (best of 3 after a warm-up):
+    """GB/s of the pieces of an shm sync, in this process, no HTTP (best of 4 after a warm-up):
 
     - `write_fresh`: the sender's copy into new segments (pays the page faults);
-    - `write_reused`: the same into reused segments (what ShmSender does after its first sync);
-    - `read_shm`: the engine's current read (`tensors.read_shm`: two copies into fresh buffers);
-    - `views`: the proposed engine read: copy straight from segment views into the parameters,
-      keeping each segment mapped between requests (the sender reuses segments, so the
-      engine would pay the mapping's page faults once, not per sync);
-    - `proposed`: write_reused + views back to back: what shm could reach with that engine change.
+    - `apply_fresh`: the engine's read of those (`tensors.shm_views` on a new mapping,
+      copied straight into the parameters; the mapping's page faults are paid again);
+    - `write_reused`: the sender's copy into reused segments (what ShmSender does after its first sync);
+    - `apply_reused`: the engine's read of those, through its kept mapping (the shm path's steady state);
+    - `sync`: write_reused + apply_reused back to back: the shm path without HTTP.
     """
-    from multiprocessing import shared_memory
-
     from transformers import AutoModelForCausalLM
 
     from furlong.weights.shm import unlink, write_segment
     from furlong.weights.sync import buckets, nbytes
-    from furlong.weights.tensors import parse_dtype, read_shm, write_shm
+    from furlong.weights.tensors import shm_views, write_shm
 
     sd = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).state_dict()
     params = {n: t.clone() for n, t in sd.items()}
     groups = buckets(list(sd.items()), int(bucket_mb * 2**20))
     total = sum(nbytes(t) for t in sd.values())
-    best = {k: 0.0 for k in ("write_fresh", "write_reused", "read_shm", "views", "proposed")}
+    best = {k: 0.0 for k in ("write_fresh", "apply_fresh", "write_reused", "apply_reused", "sync")}
 
-    def timed(key: str, fn) -> None:
+    def timed(key: str, fn):
         t0 = time.perf_counter()
         out = fn()
         best[key] = max(best[key], total / (time.perf_counter() - t0) / 1e9)
         return out
 
-    mapped: dict[str, shared_memory.SharedMemory] = {}
-
-    def copy_views(handles) -> None:
+    @torch.no_grad()
+    def apply(handles) -> None:
         for h in handles:
-            seg = mapped.get(h["shm_name"]) or mapped.setdefault(h["shm_name"], shared_memory.SharedMemory(name=h["shm_name"]))
-            with torch.no_grad():
-                for spec in h["tensors"]:
-                    v = torch.frombuffer(seg.buf, dtype=torch.uint8, count=spec["nbytes"], offset=spec["offset"])
-                    params[spec["name"]].copy_(v.view(parse_dtype(spec["dtype"])).reshape(spec["shape"]))
-                    del v
+            with shm_views(h) as views:
+                for name, v in views.items():
+                    params[name].copy_(v)
 
     free: list = []
-    for _ in range(4):
+    for _ in range(5):
         fresh = timed("write_fresh", lambda: [write_shm(dict(g), with_checksum=False) for g in groups])
-        timed("read_shm", lambda: [read_shm(h) for _, h in fresh])
+        timed("apply_fresh", lambda: apply([h for _, h in fresh]))
         for seg, _ in fresh:
             unlink(seg)
-        segs = [write_segment(g, free, None, int(bucket_mb * 2**20)) for g in groups]  # warm the reused ones
-        free = [s for s, _ in segs]
+        if not free:  # first round: create (and fault in) the segments the later rounds reuse
+            free = [write_segment(g, [], None, int(bucket_mb * 2**20))[0] for g in groups]
         t0 = time.perf_counter()
         segs = timed("write_reused", lambda: [write_segment(g, free, None) for g in groups])
-        timed("views", lambda: copy_views([h for _, h in segs]))
-        best["proposed"] = max(best["proposed"], total / (time.perf_counter() - t0) / 1e9)
+        timed("apply_reused", lambda: apply([h for _, h in segs]))
+        best["sync"] = max(best["sync"], total / (time.perf_counter() - t0) / 1e9)
         free = [s for s, _ in segs]
-    for m in mapped.values():
-        m.close()
     for s in free:
         unlink(s)
     return best

@@ -58,6 +58,9 @@ class TrainerActor:
         self.trainer = None
         self.sender = None
         self.engine = None  # a colocated engine (cluster.colocate) lives here, in rank 0
+        # The version the engines stamp on exactly these weights; None once a step changed them
+        # and no sync has named the result yet (the supervisor's re-sync then waits for the next sync).
+        self.weights_version: int | None = 0
 
     def build(self, model_dir: str, train_cfg: Any, algo_cfg: Any, temperature: float) -> int:
         import torch
@@ -70,10 +73,15 @@ class TrainerActor:
         self.trainer = Trainer(model_dir, train_cfg, algo_cfg, self.rank, self.world_size, temperature=temperature)
         return os.getpid()
 
+    def pid(self) -> int:
+        return os.getpid()
+
     def train_rollout(self, samples: list) -> list[dict[str, float]]:
+        self.weights_version = None
         return self.trainer.train_rollout(samples)
 
     def sft_step(self, samples: list) -> dict[str, float]:
+        self.weights_version = None
         return self.trainer.sft_step(samples)
 
     def compute_logprobs(self, samples: list) -> list[list[float]]:
@@ -83,6 +91,7 @@ class TrainerActor:
         return str(self.trainer.save(path))
 
     def load(self, path: str) -> int:
+        self.weights_version = None
         self.trainer.load(path)
         return self.trainer.step
 
@@ -100,11 +109,34 @@ class TrainerActor:
         """Send this rank's weights to the engines (a collective: every rank must call it)."""
         from furlong.weights import make_sender
 
-        if self.sender is None:
-            self.sender = make_sender(transport, rank=self.rank, world_size=self.world_size, **opts)
-            self.sender.connect(urls, admin_token)
-        report = self.sender.push(self.trainer.state_dict_for_sync(), version)
+        if self.sender is not None and self.sender.urls != [u.rstrip("/") for u in urls]:
+            self._drop_sender()  # an engine left or came back: connect afresh (new groups, new baselines)
+        try:
+            if self.sender is None:
+                self.sender = make_sender(transport, rank=self.rank, world_size=self.world_size, **opts)
+                self.sender.connect(urls, admin_token)
+            report = self.sender.push(self.trainer.state_dict_for_sync(), version)
+        except Exception:
+            self._drop_sender()  # an engine died under it: the next push reconnects
+            raise
+        self.weights_version = version
         return {k: v for k, v in vars(report).items() if isinstance(v, (int, float, str))}
+
+    def resync_engine(self, transport: str, url: str, admin_token: str, opts: dict) -> int | None:
+        """Give a replaced engine these weights at their version; None if no sync has named them yet."""
+        if self.weights_version is None:
+            return None
+        version = self.weights_version
+        self.push_weights(transport, [url], admin_token, version, opts)
+        return version
+
+    def _drop_sender(self) -> None:
+        if self.sender is not None:
+            try:
+                self.sender.close()
+            except Exception:  # noqa: BLE001 - best effort: its engine may be gone
+                pass
+            self.sender = None
 
     def weight_checksums(self) -> dict[str, int]:
         from furlong.weights.tensors import checksum

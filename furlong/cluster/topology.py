@@ -119,12 +119,19 @@ class Topology:
         return top
 
     # ---- trainer group: every rank gets the same call; rank 0's answer is returned
+    # A rank whose process died raises TrainerDied (see cluster/supervisor.py).
     def call(self, method: str, *args: Any) -> Any:
-        return ray.get([getattr(t, method).remote(*args) for t in self.trainers])[0]
+        try:
+            return ray.get([getattr(t, method).remote(*args) for t in self.trainers])[0]
+        except ray.exceptions.RayActorError as e:
+            raise trainer_died(method, e) from e
 
     async def acall(self, method: str, *args: Any) -> Any:
         refs = [getattr(t, method).remote(*args) for t in self.trainers]
-        return (await asyncio_gather(refs))[0]
+        try:
+            return (await asyncio_gather(refs))[0]
+        except ray.exceptions.RayActorError as e:
+            raise trainer_died(method, e) from e
 
     def shutdown(self) -> None:
         for handle in [self.router, *self.engines]:
@@ -145,6 +152,13 @@ class Topology:
             from ray.util.placement_group import remove_placement_group
 
             remove_placement_group(self.placement)
+
+
+def trainer_died(method: str, e: BaseException) -> Exception:
+    from furlong.cluster.supervisor import TrainerDied
+
+    why = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    return TrainerDied(f"a trainer rank died during {method}() ({why})")
 
 
 async def asyncio_gather(refs: list[Any]) -> list[Any]:

@@ -99,6 +99,8 @@ class DataConfig(Section):
     shuffle: bool = True  # seeded shuffle per epoch
     on_error: Literal["raise", "skip"] = "raise"  # a malformed line: error naming file:line, or skip and count
     apply_chat_template: bool = True  # wrap text prompts as a user message in the chat template
+    sft_path: str | None = None  # demonstrations (prompt + response) for the SFT warm-up; None -> the task's answers
+    sft_response_key: str = "response"  # field of sft_path holding the demonstrated response
 
 
 class RolloutConfig(Section):

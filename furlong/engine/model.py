@@ -16,11 +16,37 @@ HF forward over the whole padded sequences each step; no KV pool is used.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
 NATIVE_ARCHS = {"qwen3", "llama", "qwen3_moe"}
+
+
+def _onednn_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")
+
+
+def pick_linear(dtype: torch.dtype) -> Callable[..., torch.Tensor]:
+    """oneDNN's linear where it works for `dtype`, else `F.linear` (MKL / the platform BLAS).
+
+    Why: `F.linear` on CPU is MKL's sgemm, which on the AMD EPYC machines this
+    project is measured on runs fp32 at ~1/3 of the speed oneDNN reaches on the
+    same shapes (benchmarks/engine_throughput.py prints both peaks). oneDNN
+    reads the plain row-major weight, so HF parameters stay the single source of
+    truth (weight updates need no re-pack). A build without oneDNN, or a dtype
+    it rejects, falls back to `F.linear`; the probe also checks the result.
+    """
+    if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")):
+        return F.linear
+    try:
+        x, w, b = (torch.randn(*s).to(dtype) for s in ((5, 16), (8, 16), (8,)))
+        if torch.allclose(_onednn_linear(x, w, b).float(), F.linear(x, w, b).float(), atol=1e-2, rtol=1e-2):
+            return _onednn_linear
+    except (RuntimeError, NotImplementedError):
+        pass
+    return F.linear
 
 
 @dataclass
@@ -48,12 +74,36 @@ class Batch:
     write_slots: torch.Tensor  # [T]
     n_decode: int
     decode_blocks: torch.Tensor | None  # [D, nb] block table of each decoding sequence, padded with 0
-    decode_mask: torch.Tensor | None  # [D, 1, 1, nb * block_size] True = attend
+    decode_lens: torch.Tensor | None  # [D] context length of each decoding sequence, its new token included
     prefills: list[Prefill]
     logit_rows: torch.Tensor
+    decode_keys: tuple[int, ...] = ()  # a serial per decoding sequence: lets the model keep its KV view across steps
     token_seq: list[int] = field(default_factory=list)  # flat index -> index into `seq_tokens`
     seq_tokens: list[list[int]] = field(default_factory=list)  # full ids per sequence (fallback only)
     want_routes: bool = False
+
+
+@dataclass
+class DecodeKV:
+    """The decoding sequences' KV, contiguous per sequence: [D, kv, cap, hd] per layer.
+
+    Why: attention over the paged pool needs every block of every decoding
+    sequence gathered into one tensor, every layer, every step — at 32
+    sequences of ~100 tokens that is tens of MB of copies per step. While the
+    same sequences keep decoding (the common case) this view is extended by one
+    token per step instead (the pool still receives every token: it stays the
+    truth for prefix reuse and preemption). Any change of the decoding set, a
+    length that does not follow on, or a full buffer rebuilds it from the pool.
+    """
+
+    keys: tuple[int, ...]
+    lens: torch.Tensor  # [D] lengths already written
+    k: list[torch.Tensor]
+    v: list[torch.Tensor]
+
+    @property
+    def cap(self) -> int:
+        return self.k[0].shape[2]
 
 
 class NativeModel:
@@ -71,26 +121,33 @@ class NativeModel:
         self.scale = self.head_dim**-0.5
         self.layers = list(hf_model.model.layers)
         dtype = next(hf_model.parameters()).dtype
+        self.linear = pick_linear(dtype)
         # Block-major pool: gathering whole blocks copies block_size * kv * hd contiguous floats per row.
         shape = (num_blocks, block_size, self.n_kv, self.head_dim)
+        self.block_size = block_size
         self.k_pool = [torch.zeros(shape, dtype=dtype) for _ in self.layers]
         self.v_pool = [torch.zeros(shape, dtype=dtype) for _ in self.layers]
         self.is_moe = self.arch == "qwen3_moe"
         self.qkv = [_fuse(l.self_attn.q_proj, l.self_attn.k_proj, l.self_attn.v_proj) for l in self.layers]
         self.gate_up = [_fuse(l.mlp.gate_proj, l.mlp.up_proj) if hasattr(l.mlp, "gate_proj") else None for l in self.layers]
+        self.decode_kv: DecodeKV | None = None
+
+    def release(self) -> None:
+        """Drop the decode view (the scheduler calls this when nothing is running)."""
+        self.decode_kv = None
 
     def _norm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         return F.rms_norm(x, (x.shape[-1],), w, self.eps)
 
-    def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        half = x.shape[-1] // 2
-        rot = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-        return x * cos + rot * sin
+    @staticmethod
+    def _rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+        """HF's `x * cos + rotate_half(x) * sin`, with rotate_half as a roll and its sign folded into sin."""
+        return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), sin_signed)
 
     def _moe(self, mlp, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Top-k routed experts, computed like HF's Qwen3MoeSparseMoeBlock; returns (out, topk ids)."""
         gate = mlp.gate
-        probs = torch.softmax(F.linear(x, gate.weight), dim=-1, dtype=torch.float)
+        probs = torch.softmax(F.linear(x, gate.weight), dim=-1, dtype=torch.float)  # as HF: routing must match it
         top_w, top_i = torch.topk(probs, gate.top_k, dim=-1)
         if gate.norm_topk_prob:
             top_w = top_w / top_w.sum(dim=-1, keepdim=True)
@@ -99,62 +156,105 @@ class NativeModel:
         out = torch.zeros_like(x)
         for e in torch.unique(top_i).tolist():
             tok, k = torch.where(top_i == e)
-            g, u = F.linear(x[tok], experts.gate_up_proj[e]).chunk(2, dim=-1)
-            h = F.linear(F.silu(g) * u, experts.down_proj[e]) * top_w[tok, k, None]
+            g, u = self.linear(x[tok], experts.gate_up_proj[e]).chunk(2, dim=-1)
+            h = self.linear(F.silu(g) * u, experts.down_proj[e]) * top_w[tok, k, None]
             out.index_add_(0, tok, h)
         return out, top_i
+
+    def _decode_view(self, b: Batch) -> tuple[DecodeKV, bool]:
+        """The decode view for this step and whether it must be rebuilt from the pool."""
+        lens, old = b.decode_lens, self.decode_kv
+        L = int(lens.max())
+        if old is not None and old.keys == b.decode_keys and L <= old.cap and torch.equal(old.lens + 1, lens):
+            return old, False
+        shape = (len(lens), self.n_kv, L + max(L, 64), self.head_dim)  # room to grow before the next rebuild
+        dtype = self.k_pool[0].dtype
+        return DecodeKV(b.decode_keys, lens, [torch.empty(shape, dtype=dtype) for _ in self.layers],
+                        [torch.empty(shape, dtype=dtype) for _ in self.layers]), True
+
+    def _prefill_plan(self, b: Batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """Pad every fresh (no cached prefix) prompt chunk into one [P, Lmax] batch for one attention call.
+
+        Returns (gather index [P, Lmax] into the flat batch, valid [P, Lmax], mask [P, 1, Lmax, Lmax]).
+        """
+        fresh = [p for p in b.prefills if p.cached == 0]
+        if not fresh:
+            return None
+        Lm = max(p.n for p in fresh)
+        ar = torch.arange(Lm)
+        n = torch.tensor([p.n for p in fresh])
+        valid = ar[None, :] < n[:, None]
+        idx = torch.where(valid, torch.tensor([p.start for p in fresh])[:, None] + ar[None, :], 0)
+        mask = (ar[None, :] <= ar[:, None])[None] & valid[:, None, :]  # causal, and never a padded key
+        return idx, valid, mask[:, None]
 
     @torch.inference_mode()
     def forward(self, b: Batch) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Return (logits[len(logit_rows), V] in fp32, routes[T, layers, k] or None)."""
-        m = self.hf.model
+        m, lin = self.hf.model, self.linear
         x = m.embed_tokens(b.input_ids)
         cos, sin = m.rotary_emb(x[None], b.positions[None])
-        cos, sin = cos[0, :, None, :], sin[0, :, None, :]  # [T, 1, hd]
+        half = self.head_dim // 2
+        cos, sin = cos[0, :, None, :], torch.cat((-sin[0, :, None, :half], sin[0, :, None, half:]), dim=-1)  # [T, 1, hd]
         T = x.shape[0]
-        D, g = b.n_decode, self.n_heads // self.n_kv
+        D, g, hd = b.n_decode, self.n_heads // self.n_kv, self.head_dim
+        nq, nk = self.n_heads * hd, self.n_kv * hd
+        self.decode_kv, dec = None, None  # set again only if this forward completes
+        if D:
+            dec, rebuild = self._decode_view(b)
+            L = int(b.decode_lens.max())
+            dmask = (torch.arange(L)[None, :] < b.decode_lens[:, None])[:, None, None, :]
+            rows, last = torch.arange(D), b.decode_lens - 1
+        plan = self._prefill_plan(b)
         routes = []
         for li, layer in enumerate(self.layers):
             at = layer.self_attn
             h = self._norm(x, layer.input_layernorm.weight)
-            nq, nk = self.n_heads * self.head_dim, self.n_kv * self.head_dim
             if self.qkv[li] is not None:
-                q, k, v = F.linear(h, self.qkv[li]).split([nq, nk, nk], dim=-1)
+                q, k, v = lin(h, self.qkv[li]).split([nq, nk, nk], dim=-1)
             else:
-                q, k, v = (F.linear(h, m.weight, m.bias) for m in (at.q_proj, at.k_proj, at.v_proj))
-            q, k, v = q.reshape(T, self.n_heads, self.head_dim), k.reshape(T, self.n_kv, self.head_dim), v.reshape(T, self.n_kv, self.head_dim)
+                q, k, v = (lin(h, m.weight, m.bias) for m in (at.q_proj, at.k_proj, at.v_proj))
+            q, k, v = q.reshape(T, self.n_heads, hd), k.reshape(T, self.n_kv, hd), v.reshape(T, self.n_kv, hd)
             if hasattr(at, "q_norm"):
                 q = self._norm(q, at.q_norm.weight)
                 k = self._norm(k, at.k_norm.weight)
             q, k = self._rope(q, cos, sin), self._rope(k, cos, sin)
             kb, vb = self.k_pool[li], self.v_pool[li]
-            kp, vp = kb.view(-1, self.n_kv, self.head_dim), vb.view(-1, self.n_kv, self.head_dim)  # by token slot
+            kp, vp = kb.view(-1, self.n_kv, hd), vb.view(-1, self.n_kv, hd)  # by token slot
             kp.index_copy_(0, b.write_slots, k)
             vp.index_copy_(0, b.write_slots, v)
             out = torch.empty_like(q)
             if D:
-                # GQA decode as SDPA with the g query heads of a kv head in the "query length" slot.
-                flat = b.decode_blocks.view(-1)  # index_select is several times faster than advanced indexing here
-                kc = kb.index_select(0, flat).view(D, -1, self.n_kv, self.head_dim).transpose(1, 2)  # [D, kv, L, hd]
-                vc = vb.index_select(0, flat).view(D, -1, self.n_kv, self.head_dim).transpose(1, 2)
-                qd = q[:D].view(D, self.n_kv, g, self.head_dim)
-                od = F.scaled_dot_product_attention(qd, kc, vc, attn_mask=b.decode_mask, scale=self.scale)
-                out[:D] = od.reshape(D, self.n_heads, self.head_dim)
-            for p in b.prefills:
-                qs = q[p.start : p.start + p.n].transpose(0, 1)[None]  # [1, H, n, hd]
-                if p.cached == 0:
-                    ks, vs = k[p.start : p.start + p.n], v[p.start : p.start + p.n]
-                    mask, causal = None, True
+                kd, vd = dec.k[li], dec.v[li]
+                if rebuild:  # gather every block of every decoding sequence once
+                    flat = b.decode_blocks.view(-1)  # index_select is several times faster than advanced indexing here
+                    kd[:, :, :L] = kb.index_select(0, flat).view(D, -1, self.n_kv, hd)[:, :L].transpose(1, 2)
+                    vd[:, :, :L] = vb.index_select(0, flat).view(D, -1, self.n_kv, hd)[:, :L].transpose(1, 2)
                 else:
-                    ks, vs = kp.index_select(0, p.ctx_slots), vp.index_select(0, p.ctx_slots)
-                    total = p.cached + p.n
-                    mask = torch.arange(total)[None, :] <= (p.cached + torch.arange(p.n))[:, None]
-                    causal = False
+                    kd[rows, :, last] = k[:D]
+                    vd[rows, :, last] = v[:D]
+                # GQA decode as SDPA with the g query heads of a kv head in the "query length" slot.
+                qd = q[:D].view(D, self.n_kv, g, hd)
+                od = F.scaled_dot_product_attention(qd, kd[:, :, :L], vd[:, :, :L], attn_mask=dmask, scale=self.scale)
+                out[:D] = od.reshape(D, self.n_heads, hd)
+            if plan is not None:
+                idx, valid, mask = plan
+                qs = q[idx].transpose(1, 2)  # [P, H, Lm, hd]
+                ks = k[idx].transpose(1, 2).repeat_interleave(g, dim=1)
+                vs = v[idx].transpose(1, 2).repeat_interleave(g, dim=1)
+                o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=self.scale)
+                out[idx[valid]] = o.transpose(1, 2)[valid]
+            for p in b.prefills:
+                if p.cached == 0:
+                    continue
+                qs = q[p.start : p.start + p.n].transpose(0, 1)[None]  # [1, H, n, hd]
+                ks, vs = kp.index_select(0, p.ctx_slots), vp.index_select(0, p.ctx_slots)
+                mask = torch.arange(p.cached + p.n)[None, :] <= (p.cached + torch.arange(p.n))[:, None]
                 ks = ks.transpose(0, 1).repeat_interleave(g, dim=0)[None]
                 vs = vs.transpose(0, 1).repeat_interleave(g, dim=0)[None]
-                o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, is_causal=causal, scale=self.scale)
+                o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=self.scale)
                 out[p.start : p.start + p.n] = o[0].transpose(0, 1)
-            x = x + F.linear(out.reshape(T, -1), at.o_proj.weight, at.o_proj.bias)
+            x = x + lin(out.reshape(T, -1), at.o_proj.weight, at.o_proj.bias)
             h = self._norm(x, layer.post_attention_layernorm.weight)
             mlp = layer.mlp
             if self.is_moe and hasattr(mlp, "gate") and hasattr(mlp, "experts"):
@@ -163,12 +263,16 @@ class NativeModel:
                     routes.append(top_i)
                 x = x + y
             elif self.gate_up[li] is not None:
-                gate, up = F.linear(h, self.gate_up[li]).chunk(2, dim=-1)
-                x = x + F.linear(F.silu(gate) * up, mlp.down_proj.weight)
+                gate, up = lin(h, self.gate_up[li]).chunk(2, dim=-1)
+                x = x + lin(F.silu(gate) * up, mlp.down_proj.weight)
             else:
-                x = x + F.linear(F.silu(F.linear(h, mlp.gate_proj.weight)) * F.linear(h, mlp.up_proj.weight), mlp.down_proj.weight)
+                x = x + lin(F.silu(lin(h, mlp.gate_proj.weight)) * lin(h, mlp.up_proj.weight), mlp.down_proj.weight)
         x = self._norm(x[b.logit_rows], m.norm.weight)
-        logits = self.hf.lm_head(x).float()
+        head = self.hf.lm_head
+        logits = lin(x, head.weight, head.bias).float()
+        if dec is not None:
+            dec.lens = b.decode_lens
+        self.decode_kv = dec
         return logits, (torch.stack(routes, dim=1) if routes else None)
 
 

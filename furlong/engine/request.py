@@ -43,6 +43,7 @@ class Request:
     hashes: list[int] = field(default_factory=list)
     epoch: int = 0
     n_cached: int = 0  # tokens whose KV is in the pool
+    serial: int = 0  # set by the engine on arrival
     cached_prompt_tokens: int = 0
     generator: Any = None
     created: float = field(default_factory=time.time)

@@ -79,6 +79,7 @@ class Engine:
         self.stats = {"requests_total": 0, "finished_total": 0, "aborted_total": 0, "prompt_tokens_total": 0,
                       "generation_tokens_total": 0, "preemptions_total": 0, "steps_total": 0, "weight_updates_total": 0}
         self._commands: queue.Queue[tuple[Callable[[], Any], Future]] = queue.Queue()
+        self._serial = 0  # numbers requests, so the model can tell its decoding set did not change
         self._stop = False
         self._thread: threading.Thread | None = None
 
@@ -166,6 +167,8 @@ class Engine:
                         self._finish(r, {"type": "abort", "message": f"engine error: {e}"})
 
     def _run_command(self, fn: Callable[[], Any], fut: Future) -> None:
+        if not fut.set_running_or_notify_cancel():
+            return  # the caller gave up (e.g. its HTTP request was cancelled): do not run it half-watched
         try:
             fut.set_result(fn())
         except Exception as e:  # reported to the caller, never kills the loop
@@ -175,6 +178,8 @@ class Engine:
         self.stats["requests_total"] += 1
         self.stats["prompt_tokens_total"] += len(req.prompt_ids)
         req.generator = req.params.generator()
+        self._serial += 1
+        req.serial = self._serial
         if req.params.max_new_tokens == 0:
             self._finish(req, {"type": "length", "length": 0})
             return
@@ -277,7 +282,7 @@ class Engine:
             seq_of.append(i)
             last_rows.append(i)
         D = len(decode)
-        decode_blocks = decode_mask = None
+        decode_blocks = lens = None
         write = []
         if D:
             lens = torch.tensor([r.n_cached + 1 for r in decode])
@@ -285,7 +290,6 @@ class Engine:
             nb = -(-L // bs)
             bt = torch.tensor([(r.blocks + [0] * nb)[:nb] for r in decode])
             decode_blocks = bt
-            decode_mask = (torch.arange(nb * bs)[None, :] < lens[:, None])[:, None, None, :]
             last = lens - 1
             write.append(bt[torch.arange(D), last // bs] * bs + last % bs)
         prefills = []
@@ -310,7 +314,8 @@ class Engine:
             seqs = [r.tokens for r in decode + prefill]
         batch = Batch(
             input_ids=torch.tensor(ids), positions=torch.tensor(pos), write_slots=torch.cat(write),
-            n_decode=D, decode_blocks=decode_blocks, decode_mask=decode_mask, prefills=prefills,
+            n_decode=D, decode_blocks=decode_blocks, decode_lens=lens, prefills=prefills,
+            decode_keys=tuple(r.serial for r in decode),
             logit_rows=torch.tensor(rows), token_seq=seq_of, seq_tokens=seqs,
             want_routes=any(r.return_routed_experts for r in decode + prefill),
         )
@@ -358,6 +363,8 @@ class Engine:
                 self._finish(r, reason)
             elif r.listener and r.stream:
                 r.listener(r, 1, False)
+        if not self.running and hasattr(self.model, "release"):
+            self.model.release()  # the decode view's memory goes back as soon as nothing decodes
 
     def _record_routes(self, seqs: list[Request], batch: Batch, routes: torch.Tensor) -> None:
         for row, s in enumerate(batch.token_seq):

@@ -15,6 +15,7 @@ import json
 import logging
 import os
 import time
+from contextlib import ExitStack
 from typing import Any, AsyncIterator
 
 from fastapi import FastAPI, Request as HTTPRequest
@@ -28,7 +29,7 @@ from furlong.engine.weight_update import WeightUpdateError
 log = logging.getLogger("furlong.engine.server")
 CONTROL_PATHS = ("/abort_request", "/pause_generation", "/continue_generation", "/flush_cache",
                  "/update_weights_from_tensor", "/update_weights_from_disk", "/update_weights_from_distributed",
-                 "/init_weights_update_group", "/destroy_weights_update_group")
+                 "/init_weights_update_group", "/destroy_weights_update_group", "/get_weights_checksum")
 DEFAULT_MAX_NEW_TOKENS = 128
 
 
@@ -262,14 +263,22 @@ def create_app(engine: Engine, admin_token: str | None = None) -> FastAPI:
 
     @app.post("/update_weights_from_tensor")
     async def update_from_tensor(request: HTTPRequest):
-        from furlong.weights.tensors import read_shm
+        """Copy straight from the sender's shared memory into the parameters (one copy, no staging buffer).
+
+        The views are opened and checked off the event loop (mapping and CRC32 take
+        time); only those errors are the handle's fault (400 `shm`). The apply runs
+        on the scheduler thread while the views are alive, and keeps its own
+        all-or-nothing check (400 naming the tensor, old weights kept).
+        """
+        from furlong.weights.tensors import shm_views
 
         body = P.parse(P.UpdateFromTensorIn, await body_of(request))
-        try:
-            named = await asyncio.to_thread(read_shm, body.shm)
-        except (ValueError, TypeError) as e:
-            raise P.BadRequest("shm", str(e)) from None
-        return await apply(named, body.weight_version)
+        with ExitStack() as stack:
+            try:
+                named = await asyncio.to_thread(stack.enter_context, shm_views(body.shm))
+            except (ValueError, TypeError) as e:
+                raise P.BadRequest("shm", str(e)) from None
+            return await apply(named, body.weight_version)
 
     @app.post("/update_weights_from_disk")
     async def update_from_disk(request: HTTPRequest):
@@ -332,7 +341,8 @@ def create_app(engine: Engine, admin_token: str | None = None) -> FastAPI:
         group = app.state.groups.get(body.group_name)
         if group is None:
             raise P.BadRequest("group_name", f"no group {body.group_name!r}; call /init_weights_update_group first")
-        named = await asyncio.to_thread(receive_distributed, group, body.names, body.dtypes, body.shapes)
+        device = next(engine.hf.parameters()).device
+        named = await asyncio.to_thread(receive_distributed, group, body.names, body.dtypes, body.shapes, device=device)
         return await apply(named, body.weight_version)
 
     from furlong.engine.openai_api import add_openai_routes

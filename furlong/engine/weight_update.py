@@ -75,19 +75,37 @@ def load_disk(model, path: str | Path) -> dict[str, torch.Tensor]:
     return named
 
 
-def receive_distributed(group, names: list[str], dtypes: list[str], shapes: list[list[int]], src: int = 0) -> dict[str, torch.Tensor]:
+def receive_device(group, engine_device: torch.device | str) -> torch.device:
+    """Where broadcast buffers must live: NCCL moves only GPU memory, gloo only host memory.
+
+    With NCCL the buffers are allocated on the engine's own device, so a
+    tensor goes from the trainer's GPU to the engine's GPU with no host copy
+    and `apply_named_tensors` copies device to device. Every other backend
+    (gloo on CPU) keeps host buffers, exactly as before. (The NCCL branch
+    needs a GPU and is not exercised by the CPU test suite.)
+    """
+    name = group.name() if callable(getattr(group, "name", None)) else ""
+    return torch.device(engine_device) if name.lower() == "nccl" else torch.device("cpu")
+
+
+def receive_distributed(group, names: list[str], dtypes: list[str], shapes: list[list[int]], src: int = 0,
+                        device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
     """Receive tensors broadcast by `src`, one per name, in order, into fresh buffers.
 
-    Every announced tensor is received even if it will be rejected, so the
-    sender never hangs on a half-finished broadcast.
+    `device` is the engine's device; buffers go there when the group is NCCL
+    (`receive_device`), to host memory otherwise. Every announced tensor is
+    received even if it will be rejected, so the sender never hangs on a
+    half-finished broadcast.
     """
     from furlong.weights.dist import broadcast
     from furlong.weights.tensors import parse_dtype
 
     if not (len(names) == len(dtypes) == len(shapes)):
         raise WeightUpdateError(f"names/dtypes/shapes: lengths differ ({len(names)}, {len(dtypes)}, {len(shapes)})")
+    where = receive_device(group, device)
     try:
-        bufs = {n: torch.empty([int(x) for x in s], dtype=parse_dtype(d, f"dtypes[{n}]")) for n, d, s in zip(names, dtypes, shapes)}
+        bufs = {n: torch.empty([int(x) for x in s], dtype=parse_dtype(d, f"dtypes[{n}]"), device=where)
+                for n, d, s in zip(names, dtypes, shapes)}
     except (ValueError, RuntimeError) as e:
         raise WeightUpdateError(f"names/dtypes/shapes: {e}") from None
     return {n: broadcast(group, t, src) for n, t in bufs.items()}

@@ -20,7 +20,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from furlong.observe.store import DB_NAME
+from furlong.observe.store import DB_NAME, PACKED, unpack
 
 SORTABLE = ("id", "step", "idx", "grp", "reward", "status", "staleness", "prompt_length", "response_length", "trained_tokens", "version_min")
 ENGINE_METRIC = re.compile(r"^engine/([^/]+)/(.+)$")
@@ -269,6 +269,10 @@ class RunReader:
             tokens = json.loads(d.pop("tokens"))
         except (TypeError, ValueError) as e:
             raise RunError(422, f"sample {sample_id}: its per-token data is not valid JSON ({e})") from e
+        try:
+            tokens.update({k: unpack(tokens.get(k), code) for k, code in PACKED.items()})
+        except (TypeError, ValueError) as e:
+            raise RunError(422, f"sample {sample_id}: its per-token arrays cannot be decoded ({e})") from e
         d["tokens"] = {k: finite(v) for k, v in tokens.items()}
         d["reward_detail"] = json.loads(d["reward_detail"]) if d["reward_detail"] else None
         d["messages"] = _messages(d["prompt_text"])

@@ -25,12 +25,14 @@ Public API (the driver, trainer ranks, engines and router all call the same):
 Per-token provenance is kept as one compact column-wise JSON blob per sample
 (`samples.tokens`): ids, text, rollout log-prob, train log-prob, advantage, loss
 mask, weight version and source of every response token — one row per sample
-rather than one per token, which keeps a 64 × 512-token step to 64 inserts.
+rather than one per token, which keeps a 64 × 512-token step to 64 inserts. The
+numeric columns are packed arrays (see `pack`); `reader.py` unpacks them.
 """
 
 from __future__ import annotations
 
 import atexit
+import base64
 import json
 import logging
 import math
@@ -38,8 +40,10 @@ import os
 import queue
 import socket
 import sqlite3
+import sys
 import threading
 import time
+from array import array
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -408,15 +412,39 @@ class EventStore:
         response = d["response_text"]
         if response is None and self.tokenizer is not None:
             response = self.tokenizer.decode(d["ids"])
-        tokens = {k: d[k] for k in ("ids", "logprob", "train_logprob", "advantage", "loss_mask", "version", "source", "teacher_logprob")}
-        tokens["text"] = text
-        # NaN/inf (a -inf train log-prob) are written as JSON NaN/Infinity; the reader turns them into null.
+        tokens = {k: pack(d[k], code) for k, code in PACKED.items()}
+        tokens.update(source=d["source"], text=text)
         blob = json.dumps(tokens, separators=(",", ":"), default=_json_default)
         vmin, vmax = d["versions"]
         return (
             d["step"], d["index"], d["group"], reward, detail, d["status"], d["reason"], d["staleness"],
             d["prompt_length"], d["response_length"], sum(d["loss_mask"]), vmin, vmax, prompt, response, d["time"], blob,
         )
+
+
+# Per-token numbers are stored as base64 of little-endian arrays (int32 'i', float32 'f'): ~4x smaller than
+# JSON numbers and ~5x cheaper to encode, which is most of the writer's work. float32 is ample for log-probs.
+PACKED = {"ids": "i", "logprob": "f", "train_logprob": "f", "advantage": "f", "loss_mask": "b", "version": "i", "teacher_logprob": "f"}
+
+
+def pack(values: list[Any] | None, code: str) -> str | None:
+    if values is None:
+        return None
+    a = array(code, values)
+    if sys.byteorder == "big":
+        a.byteswap()
+    return base64.b64encode(a.tobytes()).decode("ascii")
+
+
+def unpack(blob: str | list | None, code: str) -> list[Any] | None:
+    """The inverse of `pack`; a plain list (or None) passes through."""
+    if blob is None or isinstance(blob, list):
+        return blob
+    a = array(code)
+    a.frombytes(base64.b64decode(blob))
+    if sys.byteorder == "big":
+        a.byteswap()
+    return a.tolist()
 
 
 def _json_default(x: Any) -> Any:

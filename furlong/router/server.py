@@ -80,6 +80,7 @@ CONTROL = (
     "/init_weights_update_group",
     "/destroy_weights_update_group",
     "/update_weights_from_distributed",
+    "/get_weights_checksum",
 )
 RETRY_STATUSES = (502, 503)
 # Not forwarded in either direction: they describe one hop, not the message.

@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from furlong.cluster.supervisor import RunStopped, check_finite, run_with_restarts
 from furlong.train.logging import MetricLog
 
 DRIVER_STATE = "driver_state.json"
@@ -54,7 +55,11 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
 
 
 def sft_samples(prompts: list[Any], tokenizer: Any, chat: bool) -> list[Any]:
-    """Warm-up samples: prompt + the task's reference answer + end of turn, answer tokens trained."""
+    """Warm-up samples: prompt + demonstrated response + end of turn; only the response is trained.
+
+    A prompt's response is its `metadata["response"]` (a demonstrations file, `data.sft_path`)
+    or else its synthetic task's reference answer.
+    """
     from furlong.data.tasks import get_task
     from furlong.rollout.generate import encode_prompt
     from furlong.rollout.sample import Sample
@@ -63,10 +68,28 @@ def sft_samples(prompts: list[Any], tokenizer: Any, chat: bool) -> list[Any]:
     out = []
     for i, p in enumerate(prompts):
         s = Sample(index=i, group_index=i, prompt=p.prompt, tokens=encode_prompt(tokenizer, p.prompt))
-        answer = tokenizer.encode(get_task(p.metadata["task"]).answer(p.label, chat), add_special_tokens=False)
-        s.append(answer + [end], version=0)
+        response = p.metadata.get("response")
+        if response is None:
+            response = get_task(p.metadata["task"]).answer(p.label, chat)
+        s.append(tokenizer.encode(response, add_special_tokens=False) + [end], version=0)
         out.append(s)
     return out
+
+
+def sft_source(cfg: Any, train_source: Any) -> Any:
+    """Where warm-up prompts come from: the demonstrations file, or the RL train stream itself."""
+    from furlong.data import DataSource, Prompt, load_dataset
+
+    d = cfg.data
+    if not d.sft_path:
+        return train_source
+    demos = load_dataset(d.sft_path, prompt_key=None if d.messages_key else d.prompt_key, messages_key=d.messages_key,
+                         label_key=d.sft_response_key, on_error=d.on_error)
+    prompts = []
+    for p in demos:
+        prompt = [{"role": "user", "content": p.prompt}] if d.apply_chat_template and isinstance(p.prompt, str) else p.prompt
+        prompts.append(Prompt(p.index, prompt, None, {**p.metadata, "response": str(p.label)}))
+    return DataSource(prompts, seed=cfg.seed)
 
 
 class Run:
@@ -77,6 +100,7 @@ class Run:
         self.run_dir = _run_dir(cfg)
         self.top = None
         self.manager = None
+        self.supervisor = None
 
     # ------------------------------------------------------------------ set-up
     def _prepare(self) -> None:
@@ -107,19 +131,17 @@ class Run:
         self.client = EngineClient(self.top.router_url, admin_token=self.token)
         self.manager = RolloutManager(self.cfg.rollout, self.source, self.client, self.tokenizer, seed=self.cfg.seed,
                                       eval_prompts=self.evals, envs=self.cfg.envs)
+        from furlong.cluster.supervisor import EngineSupervisor  # engine health, replacement, tolerant syncs
+
+        self.supervisor = EngineSupervisor(self.top, self.client, self.cfg, self.token, self.run_dir, note=self.log.note)
+        self.supervisor.start()
         self.version = 0
         self.step = 0
 
     async def _sync_weights(self, version: int) -> dict:
         """Pause the engines, push the trainer's weights as `version`, continue."""
         t0 = time.perf_counter()
-        await self.client.pause(self.cfg.engine.pause_mode)
-        w = self.cfg.weights
-        opts = {"bucket_mb": w.bucket_mb, "run_dir": str(self.run_dir), "verify": w.verify}
-        try:
-            report = await self.top.acall("push_weights", w.transport, self.top.engine_urls, self.token, version, opts)
-        finally:
-            await self.client.resume()
+        report = await self.supervisor.sync_weights(version)  # pause, push to the engines that are up, continue
         self.version = version
         return {"weight_sync/seconds": time.perf_counter() - t0, **{f"weight_sync/{k}": v for k, v in report.items()
                                                                      if isinstance(v, (int, float))}}
@@ -131,9 +153,10 @@ class Run:
             return
         chat = self.cfg.data.apply_chat_template
         bs = self.cfg.train.global_batch_size
+        source = sft_source(self.cfg, self.source)
         with self.log.progress("SFT warm-up", steps) as advance:
             for i in range(steps):
-                prompts = self.source.next_batch(bs)
+                prompts = source.next_batch(bs)
                 m = await self.top.acall("sft_step", sft_samples(prompts, self.tokenizer, chat))
                 advance(f"loss {m.get('loss', float('nan')):.3f}")
         await self._sync_weights(0)
@@ -188,6 +211,7 @@ class Run:
                 batch = await self.manager.next_batch(step)
                 t_gen = time.perf_counter()
                 per_opt = await self.top.acall("train_rollout", batch)
+                check_finite(per_opt, cfg.train.max_nonfinite_steps, step, self.log.note)  # stops after N NaN/inf in a row
                 t_train = time.perf_counter()
                 await self.manager.before_weight_sync()
                 sync = await self._sync_weights(step + 1)
@@ -223,13 +247,16 @@ class Run:
             after = await self.evaluate("after RL")
             result.update(before={k: v for k, v in before.items()}, after=after,
                           minutes=(time.perf_counter() - t0) / 60, run_dir=str(self.run_dir),
-                          rollout_stats=self.manager.stats())
+                          rollout_stats=self.manager.stats(), supervisor=self.supervisor.stats())
             (self.run_dir / "result.json").write_text(json.dumps(result, indent=2, default=str))
             return result
         finally:
             await self.close()
 
     async def close(self) -> None:
+        if self.supervisor is not None:  # first: shutting the engines down is not a fault
+            await self.supervisor.stop()
+            self.supervisor = None
         if self.manager is not None:
             try:
                 await self.manager.close()
@@ -275,7 +302,10 @@ def main(argv: list[str]) -> int:
 
     signal.signal(signal.SIGTERM, interrupted)
     try:
-        result = asyncio.run(run.run())
+        result = asyncio.run(run_with_restarts(run))  # a dead trainer: clean stop, or auto-restart
+    except RunStopped as e:
+        print(f"furlong train: stopped: {e}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print("furlong train: interrupted; the run can continue with --resume " + str(run.run_dir), file=sys.stderr)
         return 130

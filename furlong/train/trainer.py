@@ -21,6 +21,8 @@ the ratio against the engine's log-probs compares like with like.
 from __future__ import annotations
 
 import importlib
+import logging
+import math
 from collections import defaultdict
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -36,6 +38,7 @@ from furlong.train.lora import apply_lora, merged_items
 from furlong.train.optim import build_optimizer, build_scheduler
 from furlong.train.settings import lora_dict
 
+log = logging.getLogger("furlong.train")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 _DUMMY = Packed(
     torch.zeros(1, 2, dtype=torch.long),
@@ -100,6 +103,13 @@ class Trainer:
             self.critic_optimizer = build_optimizer(self.critic.parameters(), train_cfg, getattr(train_cfg, "critic_lr", None))
             self.critic_scheduler = build_scheduler(self.critic_optimizer, train_cfg)
         self.step = 0
+        self.nonfinite_streak = 0  # optimiser steps in a row skipped for a NaN/inf loss or gradient
+        hook = getattr(train_cfg, "before_train_step", None)
+        if hook:
+            from furlong.config.registry import load_plugin
+
+            hook = load_plugin("train.before_train_step", hook)
+        self.before_train_step = hook or None
 
     # ------------------------------------------------------------------ set-up
     def _needs_critic(self) -> bool:
@@ -212,6 +222,8 @@ class Trainer:
         """One optimiser step of the policy objective (and the critic's, for PPO) on a global batch."""
         if not isinstance(batch, TrainBatch) or batch.advantages is None:
             batch = self.prepare(batch)
+        if self.before_train_step is not None:
+            self.before_train_step(self.step, batch)
         return self._optimise(batch, self._policy_loss)
 
     def sft_step(self, samples: list[Sample] | TrainBatch) -> dict[str, float]:
@@ -295,17 +307,29 @@ class Trainer:
         out = {"grad_norm": grad_norm, "lr": lr}
         if self.critic is not None:
             out["critic/grad_norm"] = self._clip(self.critic)
-        for o in optimizers:
-            o.step()
-        self.scheduler.step()
-        if self.critic is not None:
-            self.critic_scheduler.step()
+        out |= self._reduce_metrics(sums, batch)
+        # Loss and grad norms are global (gathered / all-reduced), so every rank takes the same branch.
+        finite = all(math.isfinite(out[k]) for k in ("loss", "grad_norm", "critic/grad_norm") if k in out)
+        if finite:
+            self.nonfinite_streak = 0
+            for o in optimizers:
+                o.step()
+            self.scheduler.step()
+            if self.critic is not None:
+                self.critic_scheduler.step()
+        else:  # one NaN/inf update would poison every weight: skip it, the driver stops after too many
+            self.nonfinite_streak += 1
+            for o in optimizers:
+                o.zero_grad(set_to_none=True)
+            log.warning("optimiser step %d skipped: loss %s, grad norm %s (%d in a row)",
+                        self.step, out["loss"], grad_norm, self.nonfinite_streak)
         self.step += 1
-        if self.ref is not None and self.cfg.ref_update_every and self.step % self.cfg.ref_update_every == 0:
+        if finite and self.ref is not None and self.cfg.ref_update_every and self.step % self.cfg.ref_update_every == 0:
             with torch.no_grad():
                 for r, p in zip(self.ref.parameters(), self.policy.parameters()):
                     r.copy_(p)
-        return out | self._reduce_metrics(sums, batch) | {"step": float(self.step)}
+        return out | {"step": float(self.step), "nonfinite/skipped": float(not finite),
+                      "nonfinite/streak": float(self.nonfinite_streak)}
 
     def _reduce_metrics(self, sums: dict[str, float], batch: TrainBatch) -> dict[str, float]:
         """Combine micro-batch and rank metrics: shares and counts add, maxima max, the rest token-weighted."""

@@ -9,9 +9,13 @@ tensor so a torn or stale segment is caught before it becomes model weights.
 
 from __future__ import annotations
 
+import os
+import threading
 import zlib
+from collections import OrderedDict
+from contextlib import contextmanager
 from multiprocessing import resource_tracker, shared_memory
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
@@ -54,34 +58,125 @@ def write_shm(named: dict[str, torch.Tensor], *, with_checksum: bool = True) -> 
     return shm, {"shm_name": shm.name, "tensors": specs}
 
 
-def read_shm(handle: dict[str, Any]) -> dict[str, torch.Tensor]:
-    """Copy every tensor out of the segment named in `handle`; raises ValueError naming the bad tensor."""
+@contextmanager
+def shm_views(handle: dict[str, Any]) -> Iterator[dict[str, torch.Tensor]]:
+    """Tensors that *view* the segment named in `handle`, valid inside the `with` block.
+
+    Why views: copying out of the segment and then into the parameters is two
+    copies into fresh memory; a view lets the engine copy once, straight from
+    shared memory into its parameters. Every spec is checked first (name,
+    dtype, bounds, CRC32 over the mapped bytes when the handle carries one),
+    raising ValueError naming the tensor, so nothing is yielded from a torn or
+    malformed handle. Do not keep a view past the block: the sender rewrites
+    the segment for its next bucket.
+
+    Mappings are kept open across calls (an LRU of `MAPPINGS`) because the
+    sender reuses its segments from sync to sync (`weights.shm`): a fresh
+    mapping pays a page fault per 4 KiB page on every sync, a kept one pays
+    it once (~9 vs ~5 GB/s here). A cached mapping is reused only if the name
+    still refers to the same segment (same inode), so an unlinked-and-recreated
+    name is reopened, and mappings of unlinked segments are dropped.
+    """
+    if not isinstance(handle, dict):
+        raise ValueError("shm: must be an object with shm_name and tensors")
     name = handle.get("shm_name")
-    if not isinstance(name, str):
+    if not isinstance(name, str) or not name:
         raise ValueError("shm_name: required string")
+    specs = handle.get("tensors")
+    if specs is None:
+        specs = []
+    if not isinstance(specs, list) or not all(isinstance(x, dict) for x in specs):
+        raise ValueError("shm.tensors: must be a list of {name, dtype, shape, offset, nbytes} objects")
+    seg = _open(name)
     try:
-        shm = shared_memory.SharedMemory(name=name)
-    except FileNotFoundError:
-        raise ValueError(f"shm_name: no shared-memory segment {name!r}") from None
-    try:
-        # The sender owns the segment; stop this process's tracker from unlinking it at exit.
-        resource_tracker.unregister(shm._name, "shared_memory")  # type: ignore[attr-defined]
-    except Exception:
-        pass
-    out = {}
-    try:
-        for spec in handle.get("tensors") or []:
+        out: dict[str, torch.Tensor] = {}
+        for spec in specs:
             tname = spec.get("name")
-            dt = parse_dtype(spec.get("dtype"), f"tensors[{tname}].dtype")
-            shape = [int(s) for s in spec.get("shape", [])]
-            off, nbytes = int(spec.get("offset", -1)), int(spec.get("nbytes", -1))
-            expect = (torch.Size(shape).numel()) * torch.empty((), dtype=dt).element_size()
-            if nbytes != expect or off < 0 or off + nbytes > shm.size:
-                raise ValueError(f"tensors[{tname}]: offset/nbytes do not fit shape {shape} and the segment")
-            raw = bytes(shm.buf[off : off + nbytes])
-            if "crc32" in spec and zlib.crc32(raw) != spec["crc32"]:
-                raise ValueError(f"tensors[{tname}]: checksum mismatch")
-            out[tname] = torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(dt).reshape(shape) if nbytes else torch.empty(shape, dtype=dt)
+            if not isinstance(tname, str):
+                raise ValueError(f"shm.tensors: every tensor needs a string name, got {tname!r}")
+            if tname in out:
+                raise ValueError(f"tensors[{tname}]: given twice")
+            out[tname] = _view(seg, spec, tname)
+        yield out
     finally:
-        shm.close()
-    return out
+        _release(seg)
+
+
+def _view(seg: shared_memory.SharedMemory, spec: dict[str, Any], tname: str) -> torch.Tensor:
+    dt = parse_dtype(spec.get("dtype"), f"tensors[{tname}].dtype")
+    try:
+        shape = [int(s) for s in spec.get("shape", [])]
+        off, nbytes = int(spec.get("offset", -1)), int(spec.get("nbytes", -1))
+    except (TypeError, ValueError):
+        raise ValueError(f"tensors[{tname}]: shape, offset and nbytes must be integers") from None
+    if any(s < 0 for s in shape):
+        raise ValueError(f"tensors[{tname}]: negative dimension in shape {shape}")
+    size = torch.empty((), dtype=dt).element_size()
+    if nbytes != torch.Size(shape).numel() * size or off < 0 or off + nbytes > seg.size:
+        raise ValueError(f"tensors[{tname}]: offset/nbytes do not fit shape {shape} and the segment")
+    if off % size:
+        raise ValueError(f"tensors[{tname}]: offset {off} is not aligned to its {size}-byte elements")
+    if "crc32" in spec and zlib.crc32(seg.buf[off : off + nbytes]) != spec["crc32"]:
+        raise ValueError(f"tensors[{tname}]: checksum mismatch")
+    if nbytes == 0:
+        return torch.empty(shape, dtype=dt)
+    return torch.frombuffer(seg.buf, dtype=torch.uint8, count=nbytes, offset=off).view(dt).reshape(shape)
+
+
+MAPPINGS = 4  # the sender keeps two segments in flight; a little slack for several senders
+_lock = threading.Lock()
+_mapped: OrderedDict[str, tuple[shared_memory.SharedMemory, int | None, int]] = OrderedDict()  # name -> (seg, inode, users)
+
+
+def _inode(name: str) -> int | None:
+    """Inode of the named segment (Linux exposes them under /dev/shm); None where unknown."""
+    try:
+        return os.stat(os.path.join("/dev/shm", name.lstrip("/"))).st_ino
+    except OSError:
+        return None
+
+
+def _open(name: str) -> shared_memory.SharedMemory:
+    with _lock:
+        ino = _inode(name)
+        for other, (seg, seg_ino, users) in list(_mapped.items()):  # drop mappings of unlinked or replaced segments
+            if users == 0 and (seg_ino is None or _inode(other) != seg_ino):
+                _close(_mapped.pop(other)[0])
+        hit = _mapped.get(name)
+        if hit is not None and ino is not None and hit[1] == ino:
+            _mapped[name] = (hit[0], ino, hit[2] + 1)
+            _mapped.move_to_end(name)
+            return hit[0]
+        try:
+            seg = shared_memory.SharedMemory(name=name)
+        except FileNotFoundError:
+            raise ValueError(f"shm_name: no shared-memory segment {name!r}") from None
+        try:
+            # The sender owns the segment; stop this process's tracker from unlinking it at exit.
+            resource_tracker.unregister(seg._name, "shared_memory")  # type: ignore[attr-defined]
+        except Exception:
+            pass
+        if hit is None:
+            _mapped[name] = (seg, ino, 1)
+        while len(_mapped) > MAPPINGS:
+            idle = next((k for k, v in _mapped.items() if v[2] == 0), None)
+            if idle is None:
+                break
+            _close(_mapped.pop(idle)[0])
+        return seg
+
+
+def _release(seg: shared_memory.SharedMemory) -> None:
+    with _lock:
+        for name, (s, ino, users) in _mapped.items():
+            if s is seg:
+                _mapped[name] = (s, ino, users - 1)
+                return
+    _close(seg)  # not cached (an older mapping of a name that was replaced while in use)
+
+
+def _close(seg: shared_memory.SharedMemory) -> None:
+    try:
+        seg.close()
+    except BufferError:  # a view outlived its block: the mapping goes when the last view does
+        pass

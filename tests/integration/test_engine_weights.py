@@ -75,7 +75,8 @@ def test_update_from_shared_memory_then_disk(world):
     after = outputs(url)
     assert [o["output_ids"] for o in after] == world["want_new"]
     assert all(o["meta_info"]["output_token_versions"] == [1] * 12 for o in after)
-    sums = httpx.post(url + "/get_weights_checksum", json={"names": ["lm_head.weight"]}).json()
+    assert httpx.post(url + "/get_weights_checksum", json={}).status_code == 401  # weights are not public
+    sums = httpx.post(url + "/get_weights_checksum", json={"names": ["lm_head.weight"]}, headers=AUTH).json()
     from furlong.weights.tensors import checksum
 
     assert sums["tensors"]["lm_head.weight"]["crc32"] == checksum(world["new_sd"]["lm_head.weight"])

@@ -8,7 +8,7 @@ import torch
 from furlong.engine import protocol as P
 from furlong.engine.kv_cache import BlockPool
 from furlong.engine.sampler import SamplingParams, sample
-from furlong.weights.tensors import checksum, read_shm, write_shm
+from furlong.weights.tensors import checksum, shm_views, write_shm
 
 
 def test_block_pool_prefix_match_evict_and_flush():
@@ -43,24 +43,79 @@ def test_sampler_top_p_keeps_the_smallest_nucleus():
     assert toks == [0]
 
 
-def test_shared_memory_round_trip_and_checksum():
+def test_shared_memory_views_round_trip_and_checks():
     named = {"a": torch.arange(6.0).view(2, 3), "b": torch.tensor([1, 2], dtype=torch.int64), "c": torch.ones(3, dtype=torch.bfloat16)}
     shm, handle = write_shm(named)
     try:
-        back = read_shm(handle)
-        assert all(torch.equal(back[k], v) and back[k].dtype == v.dtype for k, v in named.items())
+        with shm_views(handle) as views:
+            assert all(torch.equal(views[k], v) and views[k].dtype == v.dtype for k, v in named.items())
+            shm.buf[11] = 0  # a view, not a copy: the segment's bytes show through
+            assert views["a"].view(-1)[2].item() != 2.0
         assert handle["tensors"][0]["crc32"] == checksum(named["a"])
-        shm.buf[0] = 99  # corrupt tensor "a"
-        with pytest.raises(ValueError, match=r"tensors\[a\]: checksum mismatch"):
-            read_shm(handle)
-        bad = {**handle, "tensors": [{**handle["tensors"][1], "shape": [100]}]}
-        with pytest.raises(ValueError, match=r"tensors\[b\]"):
-            read_shm(bad)
+        with pytest.raises(ValueError, match=r"tensors\[a\]: checksum mismatch"):  # corrupted tensor "a"
+            with shm_views(handle):
+                pass
+        specs = handle["tensors"]
+        for bad, why in [({**specs[1], "shape": [100]}, r"tensors\[b\]: offset/nbytes"),
+                         ({**specs[1], "dtype": "float99"}, r"tensors\[b\]\.dtype"),
+                         ({**specs[1], "offset": 1, "nbytes": 8, "shape": [1]}, r"tensors\[b\]: offset 1 is not aligned"),
+                         ({**specs[1], "offset": shm.size}, r"tensors\[b\]: offset/nbytes")]:
+            with pytest.raises(ValueError, match=why):
+                with shm_views({**handle, "tensors": [bad]}):
+                    pass
+        with pytest.raises(ValueError, match=r"tensors\[b\]: given twice"):
+            with shm_views({**handle, "tensors": [specs[1], specs[1]]}):
+                pass
     finally:
         shm.close()
         shm.unlink()
     with pytest.raises(ValueError, match="shm_name"):
-        read_shm({"shm_name": "furlong-does-not-exist"})
+        with shm_views({"shm_name": "furlong-does-not-exist"}):
+            pass
+
+
+def test_shared_memory_mappings_are_kept_but_never_stale():
+    """A reused segment keeps its mapping across calls; a replaced or unlinked one is dropped."""
+    import furlong.weights.tensors as T
+
+    shm, handle = write_shm({"w": torch.zeros(4)}, with_checksum=False)
+    try:
+        with shm_views(handle):
+            pass
+        kept = T._mapped[handle["shm_name"]][0]
+        shm.buf[:16] = torch.ones(4).numpy().tobytes()  # the sender rewrites the same segment
+        with shm_views(handle) as views:
+            assert torch.equal(views["w"], torch.ones(4))
+        assert T._mapped[handle["shm_name"]][0] is kept and T._mapped[handle["shm_name"]][2] == 0
+    finally:
+        shm.close()
+        shm.unlink()
+    others = [write_shm({"w": torch.full((4,), float(i))}) for i in range(T.MAPPINGS + 1)]
+    try:
+        for i, (_, h) in enumerate(others):
+            with shm_views(h) as views:
+                assert torch.equal(views["w"], torch.full((4,), float(i)))
+        assert handle["shm_name"] not in T._mapped  # unlinked: its mapping went
+        assert len(T._mapped) <= T.MAPPINGS
+    finally:
+        for seg, _ in others:
+            seg.close()
+            seg.unlink()
+
+
+def test_receive_buffers_follow_the_backend():
+    """NCCL moves device memory: buffers go to the engine's device; gloo keeps host buffers."""
+    from furlong.engine.weight_update import receive_device
+
+    class Group:
+        def __init__(self, name: str):
+            self._name = name
+
+        def name(self) -> str:
+            return self._name
+
+    assert receive_device(Group("nccl"), "meta") == torch.device("meta")
+    assert receive_device(Group("gloo"), "meta") == torch.device("cpu")
 
 
 def test_protocol_names_the_field():

@@ -1,0 +1,114 @@
+"""Shared by the RL benchmarks (`vs_trl.py`, `async_speedup.py`): one fixed amount of GRPO work,
+run by furlong's real driver (`furlong.train.run.Run`: Ray, router, engine process, trainer actor,
+weight sync), and its steady-state throughput read back from the run's `metrics.jsonl`.
+
+What is timed: the driver writes one `metrics.jsonl` line per RL step, stamped with the wall
+clock when the step ended (rollout + train + weight sync + logging). The steady-state window
+runs from the end of the last warm-up step to the end of the last step, so it excludes Ray and
+engine start-up, model building/loading, the warm-up step(s), the before/after eval and the
+final checkpoint. samples/s = samples trained in the window / window seconds.
+
+Every response is exactly `new_tokens` long (`ignore_eos`, via the `generate_fn` plug point
+below), so every system and mode does the same token work whatever the random model samples.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import statistics
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from furlong.rollout.generate import RolloutContext, generate
+from furlong.rollout.sample import Sample
+
+MODES = ("sync", "overlap", "async")
+
+
+async def exact_length_generate(ctx: RolloutContext, sample: Sample, sampling_params: dict[str, Any]) -> Sample:
+    """The default generate function with end-of-sequence ignored: responses are exactly max_new_tokens long."""
+    return await generate(ctx, sample, {**sampling_params, "ignore_eos": True})
+
+
+@dataclass(frozen=True)
+class Work:
+    """The GRPO work every system and mode is given."""
+
+    size: str = "m25"
+    task: str = "arithmetic"
+    prompts: int = 8  # per step
+    group: int = 8  # samples per prompt
+    new_tokens: int = 64  # exactly, per sample
+    steps: int = 3  # timed steps
+    warmup: int = 1  # untimed steps before them
+    lr: float = 1e-5
+    threads: int = 2  # cores given to the whole system
+    n_train: int = 256  # prompt pool
+    seed: int = 0
+
+    @property
+    def samples_per_step(self) -> int:
+        return self.prompts * self.group
+
+
+def furlong_overrides(work: Work, mode: str, run_dir: Path) -> list[str]:
+    """The config of one furlong run: `furlong train` with these overrides does the same work."""
+    return [
+        f"name=bench-{mode}", f"run_dir={run_dir}", f"seed={work.seed}",
+        "model.arch=qwen3", f"model.size={work.size}",
+        f"data.task={work.task}", f"data.n_train={work.n_train}", "data.n_eval=1",
+        f"rollout.mode={mode}", f"rollout.rollout_batch_size={work.prompts}", f"rollout.n_samples_per_prompt={work.group}",
+        f"rollout.max_new_tokens={work.new_tokens}", "rollout.generate_fn=rl_bench:exact_length_generate",
+        f"train.global_batch_size={work.samples_per_step}", "train.num_steps_per_rollout=1",
+        f"train.total_steps={work.warmup + work.steps}", f"train.lr={work.lr}",
+        f"cluster.num_cpus={work.threads}", "observe.tensorboard=false",
+    ]
+
+
+def steady_state(rows: list[dict[str, Any]], warmup: int) -> dict[str, float]:
+    """samples/s over the steps after `warmup`, and the mean per-step time split the driver logs."""
+    if len(rows) <= warmup or warmup < 1:
+        raise ValueError(f"need at least {warmup + 1} logged steps with warmup >= 1, got {len(rows)}")
+    timed = rows[warmup:]
+    window = timed[-1]["time"] - rows[warmup - 1]["time"]
+    samples = sum(r["rollout/samples"] for r in timed)
+
+    def mean(key: str) -> float:
+        vals = [r[key] for r in timed if r.get(key) is not None]
+        return statistics.fmean(vals) if vals else float("nan")
+
+    step_s = window / len(timed)
+    parts = {"rollout_wait_s": mean("time/rollout_wait_s"), "train_s": mean("time/train_s"),
+             "weight_sync_s": mean("weight_sync/seconds")}
+    return {"samples_per_s": samples / window, "window_s": window, "samples": samples, "step_s": step_s, **parts,
+            "other_s": step_s - sum(parts.values()), "response_len_mean": mean("rollout/response_len_mean")}
+
+
+def run_furlong(work: Work, mode: str, run_dir: Path | None = None) -> dict[str, float]:
+    """Run furlong in `mode` on `work` in this process tree and return its steady-state figures."""
+    from furlong.config import load_config
+    from furlong.train.run import Run
+
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    run_dir = Path(run_dir or tempfile.mkdtemp(prefix=f"furlong-bench-{mode}-"))
+    cfg = load_config(None, furlong_overrides(work, mode, run_dir))
+    asyncio.run(Run(cfg, progress=False).run())
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    return steady_state(rows, work.warmup)
+
+
+def shutdown_ray() -> None:
+    import ray
+
+    if ray.is_initialized():
+        ray.shutdown()
+
+
+def breakdown(name: str, r: dict[str, float]) -> str:
+    """One line: where a furlong step's wall time went, as the driver sees it."""
+    return (f"  {name:<15} step {r['step_s']:6.2f} s = rollout wait {r['rollout_wait_s']:6.2f} + train {r['train_s']:6.2f}"
+            f" + weight sync {r['weight_sync_s']:5.2f} + other {r['other_s']:5.2f}")
