@@ -8,6 +8,7 @@ here knows which: that is the promise of running one topology everywhere.
 from __future__ import annotations
 
 import os
+import time
 from typing import Any
 
 import ray
@@ -76,9 +77,20 @@ class TrainerActor:
     def pid(self) -> int:
         return os.getpid()
 
-    def train_rollout(self, samples: list) -> list[dict[str, float]]:
+    def train_rollout(self, samples: list, step: int) -> dict:
+        """Optimiser steps on one rollout batch; rank 0 also returns per-token provenance for the event store."""
         self.weights_version = None
-        return self.trainer.train_rollout(samples)
+        t0 = time.time()
+        metrics = self.trainer.train_rollout(samples)
+        out = {"metrics": metrics, "span": (t0, time.time())}
+        batch = self.trainer.last_batch
+        if self.rank == 0:
+            n = [s.response_length for s in batch.samples]
+            if batch.advantages is not None:
+                out["advantages"] = [batch.advantages[i, : n[i]].tolist() for i in range(len(n))]
+            if batch.old_logprobs is not None:
+                out["train_logprobs"] = [batch.old_logprobs[i, : n[i]].tolist() for i in range(len(n))]
+        return out
 
     def sft_step(self, samples: list) -> dict[str, float]:
         self.weights_version = None

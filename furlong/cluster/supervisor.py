@@ -25,7 +25,8 @@ them on another engine, and the rollout manager regenerates a sample whose
 retries ran out (its accounting counts each prompt exactly once either way).
 
 Weight syncs go through `sync_weights`: pause, push to every engine that is up,
-continue — and if an engine dies in the middle, it is found, handed to
+continue (control calls go to each engine directly, so a failure names its
+engine) — and if an engine dies in the middle, it is found, handed to
 replacement, and the sync is done again without it. A lock keeps a sync and a
 re-sync from interleaving.
 
@@ -71,15 +72,13 @@ class EngineSlot:
     actor: Any  # the ProcessActor that owns the engine process
     state: str = OK
     failed_probes: int = 0
-    task: asyncio.Task | None = None
 
 
 class EngineSupervisor:
     """Health checks, replacement and weight syncs for the engines of one run (see the module docstring)."""
 
-    def __init__(self, top: Any, client: Any, cfg: Any, admin_token: str, run_dir: Any,
-                 note: Callable[[str], None] = print):
-        self.top, self.client, self.cfg, self.token, self.note = top, client, cfg, admin_token, note
+    def __init__(self, top: Any, cfg: Any, admin_token: str, run_dir: Any, note: Callable[[str], None] = print):
+        self.top, self.cfg, self.token, self.note = top, cfg, admin_token, note
         r, w = cfg.router, cfg.weights
         self.interval, self.timeout, self.unhealthy_after = r.health_interval_s, r.health_timeout_s, r.unhealthy_after
         self.push_args = (w.transport, {"bucket_mb": w.bucket_mb, "run_dir": str(run_dir), "verify": w.verify})
@@ -89,6 +88,7 @@ class EngineSupervisor:
         self.faults: list[dict[str, Any]] = []  # one record per fault: engine, cause, seconds to recover
         self._lock = asyncio.Lock()
         self._task: asyncio.Task | None = None
+        self._recoveries: set[asyncio.Task] = set()
         self._http = httpx.AsyncClient(timeout=self.timeout)
 
     # ------------------------------------------------------------------ lifecycle
@@ -98,7 +98,7 @@ class EngineSupervisor:
             self._task = asyncio.create_task(self._loop(), name="engine-supervisor")
 
     async def stop(self) -> None:
-        tasks = [t for t in [self._task, *(s.task for s in self.slots)] if t is not None and not t.done()]
+        tasks = [t for t in [self._task, *self._recoveries] if t is not None and not t.done()]
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -127,36 +127,39 @@ class EngineSupervisor:
 
     async def check(self, force: bool = False) -> list[EngineSlot]:
         """Probe every serving engine once; replace the dead ones (with `force`, one failed probe is enough)."""
-        serving = [s for s in self.slots if s.state == OK]
-        problems = await asyncio.gather(*(self._probe(s) for s in serving))
+        up = [s for s in self.slots if s.state in (OK, PENDING)]
+        problems = await asyncio.gather(*(self._probe(s) for s in up))
         dead = []
-        for s, (exited, problem) in zip(serving, problems):
+        for s, (exited, problem) in zip(up, problems):
             if problem is None:
                 s.failed_probes = 0
                 continue
             s.failed_probes += 1
-            if s.state == OK and (exited or force or s.failed_probes >= self.unhealthy_after):
+            if s.state in (OK, PENDING) and (exited or force or s.failed_probes >= self.unhealthy_after):
                 self._replace(s, problem, "exited" if exited else "unresponsive")
                 dead.append(s)
         return dead
 
     async def _probe(self, s: EngineSlot) -> tuple[bool, str | None]:
         """(process exited, problem or None)."""
-        try:
-            alive = await asyncio.wait_for(s.actor.alive.remote(), self.timeout)
-        except asyncio.TimeoutError:
-            alive = True  # the owning actor is busy; let /health decide
-        except Exception as e:  # noqa: BLE001 - the owning actor itself is gone
-            return True, f"its process owner died: {type(e).__name__}: {e}"
-        if not alive:
+        if not await self._alive(s):
             return True, "the process exited"
         try:
             r = await self._http.get(s.url + "/health")
         except httpx.TimeoutException:
             return False, f"/health timed out after {self.timeout:g}s"
-        except httpx.HTTPError as e:
-            return False, f"/health failed: {type(e).__name__}: {e}"
+        except httpx.HTTPError as e:  # refused or reset: often a process in the middle of dying
+            exited = not await self._alive(s)
+            return exited, "the process exited" if exited else f"/health failed: {type(e).__name__}: {e}"
         return False, None if r.status_code == 200 else f"/health returned {r.status_code}"
+
+    async def _alive(self, s: EngineSlot) -> bool:
+        try:
+            return await asyncio.wait_for(s.actor.alive.remote(), self.timeout)
+        except asyncio.TimeoutError:
+            return True  # the owning actor is busy; let /health decide
+        except Exception:  # noqa: BLE001 - the owning actor itself is gone, and its process with it
+            return False
 
     # ------------------------------------------------------------------ replacement
     def _replace(self, s: EngineSlot, cause: str, kind: str) -> None:
@@ -167,7 +170,9 @@ class EngineSupervisor:
                   "recovered": False}
         self.faults.append(record)
         self.note(f"engine-{s.index} ({s.url}): {cause}; replacing it while the run continues on the others")
-        s.task = asyncio.create_task(self._recover(s, record, time.monotonic()), name=f"replace-engine-{s.index}")
+        task = asyncio.create_task(self._recover(s, record, time.monotonic()), name=f"replace-engine-{s.index}")
+        self._recoveries.add(task)
+        task.add_done_callback(self._recoveries.discard)
 
     async def _recover(self, s: EngineSlot, record: dict[str, Any], t0: float) -> None:
         try:
@@ -219,28 +224,45 @@ class EngineSupervisor:
     def _targets(self) -> list[EngineSlot]:
         return [s for s in self.slots if s.state in (OK, PENDING)]
 
+    async def _some_engine_up(self) -> None:
+        while self.slots and not self._targets():  # all being replaced: the run waits for the first one back
+            if all(s.state == FAILED for s in self.slots):
+                raise RunStopped("weight sync: no engine is left (every restart failed); see RUN_DIR/logs/engine-*.log")
+            await asyncio.sleep(0.1)
+
+    async def _control(self, urls: list[str], path: str, body: dict[str, Any]) -> None:
+        """A control call to each engine directly (not through the router): a failure names its engine."""
+        auth = {"Authorization": f"Bearer {self.token}"}
+        out = await asyncio.gather(*(self._http.post(u + path, json=body, headers=auth, timeout=60.0) for u in urls),
+                                   return_exceptions=True)
+        bad = [f"{u}: {r}" if isinstance(r, BaseException) else f"{u}: HTTP {r.status_code}"
+               for u, r in zip(urls, out) if isinstance(r, BaseException) or r.status_code != 200]
+        if bad:
+            raise RuntimeError(f"{path} failed on {'; '.join(bad)}")
+
     async def sync_weights(self, version: int) -> dict[str, Any]:
         """Pause, push `version` to every engine that is up, continue; an engine dying mid-sync is replaced."""
         transport, opts = self.push_args
         last: Exception | None = None
         for _ in range(SYNC_ATTEMPTS):
+            await self._some_engine_up()
             async with self._lock:
                 targets = self._targets()
                 urls = [s.url for s in targets] if self.slots else list(self.top.engine_urls)
-                if not urls:
-                    raise RunStopped("weight sync: no engine is up (every replacement failed); see RUN_DIR/logs/engine-*.log")
                 try:
-                    await self.client.pause(self.cfg.engine.pause_mode)
+                    if not urls:
+                        raise RuntimeError("every engine went down just before the sync")
+                    await self._control(urls, "/pause_generation", {"mode": self.cfg.engine.pause_mode})
                     try:
                         report = await self.top.acall("push_weights", transport, urls, self.token, version, opts)
                     finally:
-                        await self.client.resume()
+                        await self._control(urls, "/continue_generation", {})
                 except TrainerDied:
                     raise
                 except Exception as e:  # noqa: BLE001 - an engine failing under the sync, or a real error
                     last = e
                     await self.check(force=True)
-                    if not any(s.state == RESTARTING for s in targets):
+                    if urls and not any(s.state == RESTARTING for s in targets):
                         raise  # no engine died: not ours to hide
                     self.counts["syncs_retried"] += 1
                     continue

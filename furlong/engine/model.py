@@ -28,25 +28,34 @@ def _onednn_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = No
     return torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")
 
 
-def pick_linear(dtype: torch.dtype) -> Callable[..., torch.Tensor]:
-    """oneDNN's linear where it works for `dtype`, else `F.linear` (MKL / the platform BLAS).
+def _onednn_pack(w: torch.Tensor) -> torch.Tensor:
+    return torch.ops.mkldnn._reorder_linear_weight(w.detach(), PACK_ROWS)
+
+
+PACK_ROWS = 64  # row-count hint for oneDNN's weight layout; any row count still works
+
+
+def pick_linear(dtype: torch.dtype) -> tuple[Callable[..., torch.Tensor], Callable[[torch.Tensor], torch.Tensor]]:
+    """(linear, pack): oneDNN with pre-packed weights where it works for `dtype`, else (`F.linear`, identity).
 
     Why: `F.linear` on CPU is MKL's sgemm, which on the AMD EPYC machines this
-    project is measured on runs fp32 at ~1/3 of the speed oneDNN reaches on the
-    same shapes (benchmarks/engine_throughput.py prints both peaks). oneDNN
-    reads the plain row-major weight, so HF parameters stay the single source of
-    truth (weight updates need no re-pack). A build without oneDNN, or a dtype
-    it rejects, falls back to `F.linear`; the probe also checks the result.
+    project is measured on runs fp32 at roughly half the speed oneDNN reaches
+    with its weights pre-packed into its own blocked layout (the engine's
+    batches are 1-64 rows, where the packing pays most; the benchmark
+    `benchmarks/engine_throughput.py` prints both peaks). The price is a packed
+    copy of every dense weight (2x weight memory) and a re-pack of the touched
+    weights after each weight update (`NativeModel.refresh`). A build without
+    oneDNN, or a dtype it rejects, gets `F.linear`; the probe checks the result.
     """
-    if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")):
-        return F.linear
+    if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")):
+        return F.linear, lambda w: w
     try:
         x, w, b = (torch.randn(*s).to(dtype) for s in ((5, 16), (8, 16), (8,)))
-        if torch.allclose(_onednn_linear(x, w, b).float(), F.linear(x, w, b).float(), atol=1e-2, rtol=1e-2):
-            return _onednn_linear
-    except (RuntimeError, NotImplementedError):
+        if torch.allclose(_onednn_linear(x, _onednn_pack(w), b).float(), F.linear(x, w, b).float(), atol=1e-2, rtol=1e-2):
+            return _onednn_linear, _onednn_pack
+    except (RuntimeError, NotImplementedError, AttributeError):
         pass
-    return F.linear
+    return F.linear, lambda w: w
 
 
 @dataclass
@@ -121,16 +130,41 @@ class NativeModel:
         self.scale = self.head_dim**-0.5
         self.layers = list(hf_model.model.layers)
         dtype = next(hf_model.parameters()).dtype
-        self.linear = pick_linear(dtype)
         # Block-major pool: gathering whole blocks copies block_size * kv * hd contiguous floats per row.
         shape = (num_blocks, block_size, self.n_kv, self.head_dim)
         self.block_size = block_size
         self.k_pool = [torch.zeros(shape, dtype=dtype) for _ in self.layers]
         self.v_pool = [torch.zeros(shape, dtype=dtype) for _ in self.layers]
         self.is_moe = self.arch == "qwen3_moe"
-        self.qkv = [_fuse(l.self_attn.q_proj, l.self_attn.k_proj, l.self_attn.v_proj) for l in self.layers]
-        self.gate_up = [_fuse(l.mlp.gate_proj, l.mlp.up_proj) if hasattr(l.mlp, "gate_proj") else None for l in self.layers]
+        self.linear, self._pack = pick_linear(dtype)
+        # Dense weights by key ("3.qkv", "lm_head", ...): (source tensor, the HF parameters it reads).
+        self.sources: dict[str, tuple[torch.Tensor, list[torch.Tensor]]] = {}
+        for li, l in enumerate(self.layers):
+            at, mlp = l.self_attn, l.mlp
+            self._add(f"{li}.qkv", _fuse(at.q_proj, at.k_proj, at.v_proj), [at.q_proj, at.k_proj, at.v_proj])
+            self._add(f"{li}.o", at.o_proj.weight, [at.o_proj])
+            if hasattr(mlp, "gate_proj"):
+                self._add(f"{li}.gate_up", _fuse(mlp.gate_proj, mlp.up_proj), [mlp.gate_proj, mlp.up_proj])
+                self._add(f"{li}.down", mlp.down_proj.weight, [mlp.down_proj])
+        self._add("lm_head", hf_model.lm_head.weight, [hf_model.lm_head])
+        self.w: dict[str, torch.Tensor] = {}  # what the forward multiplies by: packed (oneDNN) or the source itself
+        self.refresh()
         self.decode_kv: DecodeKV | None = None
+
+    def _add(self, key: str, source: torch.Tensor | None, modules: list) -> None:
+        if source is not None:
+            self.sources[key] = (source, [m.weight for m in modules])
+
+    def refresh(self, names=None) -> None:
+        """Re-pack the weights that read the named HF parameters (all when `names` is None), after an update."""
+        if names is None:
+            keys = list(self.sources)
+        else:
+            params = self.hf.state_dict(keep_vars=True)
+            touched = {id(params[n]) for n in names if n in params}
+            keys = [k for k, (_, deps) in self.sources.items() if any(id(d) in touched for d in deps)]
+        for k in keys:
+            self.w[k] = self._pack(self.sources[k][0])
 
     def release(self) -> None:
         """Drop the decode view (the scheduler calls this when nothing is running)."""
@@ -210,8 +244,8 @@ class NativeModel:
         for li, layer in enumerate(self.layers):
             at = layer.self_attn
             h = self._norm(x, layer.input_layernorm.weight)
-            if self.qkv[li] is not None:
-                q, k, v = lin(h, self.qkv[li]).split([nq, nk, nk], dim=-1)
+            if f"{li}.qkv" in self.w:
+                q, k, v = lin(h, self.w[f"{li}.qkv"]).split([nq, nk, nk], dim=-1)
             else:
                 q, k, v = (lin(h, m.weight, m.bias) for m in (at.q_proj, at.k_proj, at.v_proj))
             q, k, v = q.reshape(T, self.n_heads, hd), k.reshape(T, self.n_kv, hd), v.reshape(T, self.n_kv, hd)
@@ -254,7 +288,7 @@ class NativeModel:
                 vs = vs.transpose(0, 1).repeat_interleave(g, dim=0)[None]
                 o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=self.scale)
                 out[p.start : p.start + p.n] = o[0].transpose(0, 1)
-            x = x + lin(out.reshape(T, -1), at.o_proj.weight, at.o_proj.bias)
+            x = x + lin(out.reshape(T, -1), self.w[f"{li}.o"], at.o_proj.bias)
             h = self._norm(x, layer.post_attention_layernorm.weight)
             mlp = layer.mlp
             if self.is_moe and hasattr(mlp, "gate") and hasattr(mlp, "experts"):
@@ -262,14 +296,13 @@ class NativeModel:
                 if b.want_routes:
                     routes.append(top_i)
                 x = x + y
-            elif self.gate_up[li] is not None:
-                gate, up = lin(h, self.gate_up[li]).chunk(2, dim=-1)
-                x = x + lin(F.silu(gate) * up, mlp.down_proj.weight)
+            elif f"{li}.gate_up" in self.w:
+                gate, up = lin(h, self.w[f"{li}.gate_up"]).chunk(2, dim=-1)
+                x = x + lin(F.silu(gate) * up, self.w[f"{li}.down"])
             else:
-                x = x + lin(F.silu(lin(h, mlp.gate_proj.weight)) * lin(h, mlp.up_proj.weight), mlp.down_proj.weight)
+                x = x + lin(F.silu(lin(h, mlp.gate_proj.weight)) * lin(h, mlp.up_proj.weight), self.w[f"{li}.down"])
         x = self._norm(x[b.logit_rows], m.norm.weight)
-        head = self.hf.lm_head
-        logits = lin(x, head.weight, head.bias).float()
+        logits = lin(x, self.w["lm_head"], self.hf.lm_head.bias).float()
         if dec is not None:
             dec.lens = b.decode_lens
         self.decode_kv = dec

@@ -396,6 +396,8 @@ class Engine:
         from furlong.engine.weight_update import apply_named_tensors
 
         apply_named_tensors(self.hf, named)
+        if hasattr(self.model, "refresh"):
+            self.model.refresh(named.keys())  # packed weights follow their HF parameters
         self.pool.flush()
         self.weight_version = int(version) if version is not None else self.weight_version + 1
         self.stats["weight_updates_total"] += 1

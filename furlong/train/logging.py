@@ -1,18 +1,18 @@
 """What the driver shows and records each step: a progress bar, a one-line summary, metrics.
 
-Metrics go to `RUN_DIR/metrics.jsonl` (one object per step) and, when
-`observe.tensorboard`, to `RUN_DIR/tensorboard/`. Rollout-side metrics (reward,
-lengths, staleness, statuses) are computed here from the batch the trainer saw.
+Recording goes through the event store (`furlong.observe`): metrics reach its
+sinks (`metrics.jsonl`, TensorBoard, W&B, MLflow as `observe` asks), spans and
+samples with per-token provenance go to `events.sqlite` for the dashboard.
+Rollout-side metrics (reward, lengths, staleness, statuses) are computed here
+from the batch the trainer saw.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import math
 import statistics
 import sys
-import time
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -35,19 +35,17 @@ def rollout_metrics(batch: list[Any], version: int | None = None) -> dict[str, f
 
 
 class MetricLog:
-    def __init__(self, run_dir: Path, cfg: Any):
-        self.run_dir = Path(run_dir)
-        self.jsonl = open(self.run_dir / "metrics.jsonl", "a")
-        self.tb = None
-        if getattr(cfg.observe, "tensorboard", False):
-            try:
-                from torch.utils.tensorboard import SummaryWriter
+    def __init__(self, run_dir: Path, cfg: Any, tokenizer: Any = None):
+        from furlong.config.registry import resolve
+        from furlong.observe.sinks import build_sinks
+        from furlong.observe.store import EventStore
 
-                self.tb = SummaryWriter(str(self.run_dir / "tensorboard"))
-            except ImportError:
-                self.note("tensorboard not installed: metrics go to metrics.jsonl only")
+        self.run_dir = Path(run_dir)
+        o = cfg.observe
+        sinks = build_sinks(o, self.run_dir, console=False, config=cfg.model_dump())
+        sinks += [make(config=cfg) for make in resolve(cfg, "observe.sinks") or []]
+        self.store = EventStore(self.run_dir, tokenizer=tokenizer, sinks=sinks, enabled=o.event_store)
         self.tokens = 0
-        self.t0 = time.perf_counter()
         self.console = None
         try:
             from rich.console import Console
@@ -81,8 +79,10 @@ class MetricLog:
 
         yield advance
 
-    def step_metrics(self, batch: list[Any], per_opt: list[dict[str, float]], stats: dict[str, Any]) -> dict[str, float]:
-        out = rollout_metrics(batch, stats.get("version"))
+    def step_metrics(self, batch: list[Any], per_opt: list[dict[str, float]], stats: dict[str, Any],
+                     trained_version: int) -> dict[str, float]:
+        """`trained_version`: the policy version the batch was trained on (staleness is measured against it)."""
+        out = rollout_metrics(batch, trained_version)
         for k in per_opt[-1] if per_opt else {}:
             vals = [m[k] for m in per_opt if k in m and isinstance(m[k], (int, float))]
             if vals:
@@ -105,21 +105,18 @@ class MetricLog:
         return " | ".join(parts)
 
     def write(self, step: int, metrics: dict[str, float]) -> None:
-        clean = {k: (v if isinstance(v, (int, float)) and math.isfinite(v) else None) for k, v in metrics.items()}
-        self.jsonl.write(json.dumps({"step": step, "time": time.time(), **clean}) + "\n")
-        self.jsonl.flush()
-        if self.tb is not None:
-            for k, v in clean.items():
-                if v is not None:
-                    self.tb.add_scalar(k, v, step)
+        self.store.metrics(step, {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float))})
 
-    def samples(self, step: int, batch: list[Any]) -> None:
-        """The trained samples of a step, one JSON per line: `samples/step_<n>.jsonl` (exact tokens and provenance)."""
+    def samples(self, step: int, batch: list[Any], trained: dict[str, Any], version: int) -> None:
+        """The trained samples of a step: `samples/step_<n>.jsonl` (exact tokens, one JSON per line)
+        and the event store (with the trainer's log-probs and advantages per token)."""
         out = self.run_dir / "samples"
         out.mkdir(exist_ok=True)
         with open(out / f"step_{step}.jsonl", "w") as f:
             for s in batch:
                 f.write(s.to_json() + "\n")
+        self.store.samples(step, batch, train_logprobs=trained.get("train_logprobs"),
+                           advantages=trained.get("advantages"), version=version)
 
     def state_dict(self) -> dict[str, Any]:
         return {"tokens": self.tokens}
@@ -128,6 +125,4 @@ class MetricLog:
         self.tokens = int(state.get("tokens", 0))
 
     def close(self) -> None:
-        self.jsonl.close()
-        if self.tb is not None:
-            self.tb.close()
+        self.store.close()

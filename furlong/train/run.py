@@ -100,6 +100,7 @@ class Run:
         self.run_dir = _run_dir(cfg)
         self.top = None
         self.manager = None
+        self.dashboard = None
         self.supervisor = None
 
     # ------------------------------------------------------------------ set-up
@@ -112,18 +113,23 @@ class Run:
         self.token = admin_token(self.run_dir)
         m = self.cfg.model
         self.model_dir = m.path or str(create_model(m.arch, m.size, seed=m.seed))
-        self.log = MetricLog(self.run_dir, self.cfg)
-
-    async def _start(self) -> None:
         from transformers import AutoTokenizer
 
+        self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
+        self.log = MetricLog(self.run_dir, self.cfg, self.tokenizer)
+        if self.cfg.observe.dashboard:
+            from furlong.dashboard.server import serve_in_thread
+
+            self.dashboard = serve_in_thread(self.run_dir, port=self.cfg.observe.dashboard_port, follow=True)
+            self.log.note(f"dashboard: {self.dashboard.url}")
+
+    async def _start(self) -> None:
         from furlong.cluster.topology import Topology, bundles_needed, init_ray
         from furlong.data.from_config import build_data
         from furlong.rollout.client import EngineClient
         from furlong.rollout.manager import RolloutManager
 
         self.source, self.evals = build_data(self.cfg)
-        self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
         self.log.note(f"starting topology: {self.cfg.train.world_size} trainer rank(s), "
                       f"{self.cfg.engine.num_engines} engine(s){' colocated' if self.cfg.cluster.colocate else ''}, router")
         init_ray(self.cfg, bundles_needed(self.cfg))  # in the main thread: Ray's signal handlers need it
@@ -133,10 +139,13 @@ class Run:
                                       eval_prompts=self.evals, envs=self.cfg.envs)
         from furlong.cluster.supervisor import EngineSupervisor  # engine health, replacement, tolerant syncs
 
-        self.supervisor = EngineSupervisor(self.top, self.client, self.cfg, self.token, self.run_dir, note=self.log.note)
+        self.supervisor = EngineSupervisor(self.top, self.cfg, self.token, self.run_dir, note=self.log.note)
         self.supervisor.start()
         self.version = 0
         self.step = 0
+        from furlong.cluster.engine_stats import EngineStats
+
+        self.engine_stats = EngineStats(self.top.engine_urls)
 
     async def _sync_weights(self, version: int) -> dict:
         """Pause the engines, push the trainer's weights as `version`, continue."""
@@ -208,20 +217,26 @@ class Run:
             while self.step < total:
                 step = self.step
                 t0 = time.perf_counter()
-                batch = await self.manager.next_batch(step)
+                span = self.log.store.span
+                with span("driver", "generate", step):
+                    batch = await self.manager.next_batch(step)
                 t_gen = time.perf_counter()
-                per_opt = await self.top.acall("train_rollout", batch)
+                trained = await self.top.acall("train_rollout", batch, step)
+                self.log.store.record_span("trainer/0", "forward-backward", step, *trained["span"], device="cpu:0")
+                per_opt = trained["metrics"]
                 check_finite(per_opt, cfg.train.max_nonfinite_steps, step, self.log.note)  # stops after N NaN/inf in a row
                 t_train = time.perf_counter()
                 await self.manager.before_weight_sync()
-                sync = await self._sync_weights(step + 1)
+                with span("driver", "weight-sync", step):
+                    sync = await self._sync_weights(step + 1)
                 self.step = step + 1
                 if every and self.step % every == 0 and self.step < total:
                     await asyncio.to_thread(self._save, self.step)
                 await self.manager.on_weights_updated(self.step)
-                self.log.samples(step, batch)
-                metrics = self.log.step_metrics(batch, per_opt, self.manager.stats())
+                self.log.samples(step, batch, trained, step)
+                metrics = self.log.step_metrics(batch, per_opt, self.manager.stats(), step)
                 metrics.update(sync)
+                metrics.update(await self.engine_stats.poll())
                 metrics.update({"time/rollout_wait_s": t_gen - t0, "time/train_s": t_train - t_gen,
                                 "time/step_s": time.perf_counter() - t0,
                                 "perf/samples_per_s": len(batch) / (time.perf_counter() - t0)})
@@ -265,6 +280,8 @@ class Run:
         if self.top is not None:
             await asyncio.to_thread(self.top.shutdown)
             self.top = None
+        if self.dashboard is not None:
+            self.dashboard.stop()
         if getattr(self, "log", None) is not None:
             self.log.close()
 

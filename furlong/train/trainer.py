@@ -211,7 +211,7 @@ class Trainer:
 
     def train_rollout(self, samples: list[Sample] | TrainBatch) -> list[dict[str, float]]:
         """Prepare a rollout batch once, then take `num_steps_per_rollout` optimiser steps over its slices."""
-        batch = self.prepare(samples)
+        batch = self.last_batch = self.prepare(samples)  # kept for provenance (advantages, old log-probs)
         n = self.cfg.num_steps_per_rollout
         if len(batch) % n:
             raise ValueError(f"train.num_steps_per_rollout={n} does not divide the rollout batch of {len(batch)} samples")

@@ -47,8 +47,9 @@ async def chaos_reward(sample: Any) -> float:
         await run.supervisor.wait_all_serving()  # one fault at a time: the last one has been repaired
         if action != "wait":
             sig = signal.SIGKILL if action == "kill" else signal.SIGSTOP
+            faults_before = len(run.supervisor.faults)
             await run.top.engines[engine].kill.remote(int(sig))
-            STATE["injected"].append((action, engine))
+            STATE["injected"].append((action, engine, faults_before))
     return raising_reward(sample)
 
 

@@ -17,7 +17,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 # Short health checks so hung engines are found quickly; one trainer rank, tiny model, no TensorBoard.
-BASE = ["router.health_interval_s=0.5", "router.health_timeout_s=2", "router.unhealthy_after=2",
+BASE = ["router.health_interval_s=0.5", "router.health_timeout_s=3", "router.unhealthy_after=2",
         "observe.tensorboard=false", "data.n_eval=2", "cluster.threads_per_process=1"]
 
 

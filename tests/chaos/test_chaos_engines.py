@@ -34,22 +34,31 @@ def chaos_run(tmp_path_factory):
     return result
 
 
+def fault_of(run_result: dict, injected: tuple) -> dict:
+    """The supervisor's record of an injected fault: the first one on that engine after the injection.
+
+    (On a loaded machine a slow /health can add a fault of its own; it must be repaired too.)
+    """
+    _, engine, before = injected
+    return next(f for f in run_result["supervisor"]["fault_log"][before:] if f["engine"] == engine)
+
+
 def test_three_sigkills_and_a_sigstop_are_repaired_while_the_run_finishes(chaos_run):
     assert chaos_run["steps"] == STEPS
-    assert chaos_plugins.STATE["injected"] == [("kill", 0), ("kill", 1), ("kill", 0), ("stop", 1)]
+    injected = chaos_plugins.STATE["injected"]
+    assert [i[:2] for i in injected] == [("kill", 0), ("kill", 1), ("kill", 0), ("stop", 1)]
     sup = chaos_run["supervisor"]
-    assert sup["faults"] == 4 and sup["replacements"] == 4, sup
+    assert sup["faults"] >= 4 and sup["replacements"] == sup["faults"], sup
     assert all(f["recovered"] for f in sup["fault_log"]), sup["fault_log"]
     assert set(sup["engines"].values()) == {"ok"}
+    assert [fault_of(chaos_run, i)["kind"] for i in injected[:3]] == ["exited"] * 3
 
 
 def test_sigstop_is_found_by_the_health_timeout_and_replaced(chaos_run):
-    stopped = chaos_run["supervisor"]["fault_log"][3]
-    assert stopped["kind"] == "unresponsive" and stopped["engine"] == 1
-    assert "timed out after 2s" in stopped["cause"]  # found by the /health timeout, not by the process exiting
+    stopped = fault_of(chaos_run, chaos_plugins.STATE["injected"][3])
+    assert stopped["kind"] == "unresponsive" and stopped["recovered"]
+    assert "timed out after 3s" in stopped["cause"]  # found by the /health timeout, not by the process exiting
     assert stopped["failed_probes"] == 2  # router.unhealthy_after
-    killed = chaos_run["supervisor"]["fault_log"][:3]
-    assert [f["kind"] for f in killed] == ["exited"] * 3
 
 
 def test_every_prompt_is_trained_filtered_with_a_reason_or_buffered(chaos_run):
