@@ -18,7 +18,7 @@ export RAY_USAGE_STATS_ENABLED := 0
 $(STAMP): pyproject.toml constraints.txt
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	@echo "setting up $(VENV) (torch pinned to the CPU build via constraints.txt)"
-	$(PIP) -e '.[dev]'
+	$(PIP) -e '.[dev,bench]'
 	@touch $(STAMP)
 
 setup: $(STAMP)

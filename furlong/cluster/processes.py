@@ -36,6 +36,17 @@ def thread_env(threads: int | None) -> dict[str, str]:
     return env
 
 
+def _die_with_parent() -> None:
+    """Linux: the child gets SIGKILL when the process that started it dies, so a killed
+    driver or actor never leaves an engine behind holding its port and memory."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
 class ProcessFailed(RuntimeError):
     """A managed process exited or never became healthy; the message carries its log tail."""
 
@@ -59,7 +70,8 @@ class ManagedProcess:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(
-            self.argv, stdout=log, stderr=subprocess.STDOUT, env=thread_env(self.threads), start_new_session=True
+            self.argv, stdout=log, stderr=subprocess.STDOUT, env=thread_env(self.threads), start_new_session=True,
+            preexec_fn=_die_with_parent,
         )
         log.close()
         self.wait_healthy(timeout_s)

@@ -72,6 +72,8 @@ class EngineSlot:
     actor: Any  # the ProcessActor that owns the engine process
     state: str = OK
     failed_probes: int = 0
+    fault: dict[str, Any] | None = None  # the record of the fault being repaired
+    since: float = 0.0  # when it was found
 
 
 class EngineSupervisor:
@@ -169,12 +171,13 @@ class EngineSupervisor:
         record = {"engine": s.index, "url": s.url, "kind": kind, "cause": cause, "failed_probes": s.failed_probes,
                   "recovered": False}
         self.faults.append(record)
+        s.fault, s.since = record, time.monotonic()
         self.note(f"engine-{s.index} ({s.url}): {cause}; replacing it while the run continues on the others")
-        task = asyncio.create_task(self._recover(s, record, time.monotonic()), name=f"replace-engine-{s.index}")
+        task = asyncio.create_task(self._recover(s), name=f"replace-engine-{s.index}")
         self._recoveries.add(task)
         task.add_done_callback(self._recoveries.discard)
 
-    async def _recover(self, s: EngineSlot, record: dict[str, Any], t0: float) -> None:
+    async def _recover(self, s: EngineSlot) -> None:
         try:
             await self._router("/remove_engine", s.url)
             for attempt in range(1, MAX_RESTART_ATTEMPTS + 1):
@@ -204,14 +207,13 @@ class EngineSupervisor:
             raise
         except Exception as e:  # noqa: BLE001 - a dead trainer is the driver's to report
             self.note(f"engine-{s.index}: replacement failed: {type(e).__name__}: {e}")
-        finally:
-            if s.state == OK:
-                record.update(recovered=True, seconds=round(time.monotonic() - t0, 2))
 
     async def _admit(self, s: EngineSlot) -> None:
         await self._router("/add_engine", s.url)
         s.state, s.failed_probes = OK, 0
         self.counts["replacements"] += 1
+        if s.fault is not None:
+            s.fault.update(recovered=True, seconds=round(time.monotonic() - s.since, 2))
         self.note(f"engine-{s.index} ({s.url}) replaced, re-synced to v{self.version} and serving again")
 
     async def _router(self, path: str, url: str) -> None:
@@ -290,7 +292,7 @@ def check_finite(per_opt: list[dict[str, float]], limit: int, step: int, note: C
 
 async def run_with_restarts(run: Any) -> dict[str, Any]:
     """`run.run()`; a dead trainer stops it cleanly, or with `cluster.auto_restart` resumes it from its checkpoint."""
-    from furlong.train.run import Run, latest_checkpoint
+    from furlong.train.run import latest_checkpoint
 
     restarts = 0
     while True:
@@ -309,4 +311,4 @@ async def run_with_restarts(run: Any) -> dict[str, Any]:
             restarts += 1
             print(f"furlong {e}; restarting the trainer group from {ckpt or 'step 0'} "
                          f"(automatic restart {restarts}/{MAX_TRAINER_RESTARTS})", file=sys.stderr)
-            run = Run(run.cfg, resume=True, progress=run.progress)
+            run = type(run)(run.cfg, resume=True, progress=run.progress)

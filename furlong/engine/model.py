@@ -201,10 +201,12 @@ class NativeModel:
         L = int(lens.max())
         if old is not None and old.keys == b.decode_keys and L <= old.cap and torch.equal(old.lens + 1, lens):
             return old, False
-        shape = (len(lens), self.n_kv, L + max(L, 64), self.head_dim)  # room to grow before the next rebuild
+        # Room to grow before the next rebuild. Zeros, not empty: a shorter sequence's masked tail is still
+        # multiplied (by a zero weight), and uninitialised memory may hold NaN.
+        shape = (len(lens), self.n_kv, L + max(L, 64), self.head_dim)
         dtype = self.k_pool[0].dtype
-        return DecodeKV(b.decode_keys, lens, [torch.empty(shape, dtype=dtype) for _ in self.layers],
-                        [torch.empty(shape, dtype=dtype) for _ in self.layers]), True
+        return DecodeKV(b.decode_keys, lens, [torch.zeros(shape, dtype=dtype) for _ in self.layers],
+                        [torch.zeros(shape, dtype=dtype) for _ in self.layers]), True
 
     def _prefill_plan(self, b: Batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
         """Pad every fresh (no cached prefix) prompt chunk into one [P, Lmax] batch for one attention call.
@@ -233,11 +235,14 @@ class NativeModel:
         T = x.shape[0]
         D, g, hd = b.n_decode, self.n_heads // self.n_kv, self.head_dim
         nq, nk = self.n_heads * hd, self.n_kv * hd
-        self.decode_kv, dec = None, None  # set again only if this forward completes
+        dec = None
         if D:
             dec, rebuild = self._decode_view(b)
+        self.decode_kv = None  # set again only if this forward completes
+        if D:
             L = int(b.decode_lens.max())
-            dmask = (torch.arange(L)[None, :] < b.decode_lens[:, None])[:, None, None, :]
+            dmask = torch.zeros(D, 1, 1, L, dtype=x.dtype).masked_fill_(
+                (torch.arange(L)[None, :] >= b.decode_lens[:, None])[:, None, None, :], float("-inf"))
             rows, last = torch.arange(D), b.decode_lens - 1
         plan = self._prefill_plan(b)
         routes = []
@@ -267,10 +272,11 @@ class NativeModel:
                 else:
                     kd[rows, :, last] = k[:D]
                     vd[rows, :, last] = v[:D]
-                # GQA decode as SDPA with the g query heads of a kv head in the "query length" slot.
+                # GQA decode with the g query heads of a kv head as the rows of one small matmul. Plain
+                # matmuls read the strided [:, :, :L] views in place; SDPA would first copy them contiguous.
                 qd = q[:D].view(D, self.n_kv, g, hd)
-                od = F.scaled_dot_product_attention(qd, kd[:, :, :L], vd[:, :, :L], attn_mask=dmask, scale=self.scale)
-                out[:D] = od.reshape(D, self.n_heads, hd)
+                scores = torch.matmul(qd, kd[:, :, :L].transpose(-1, -2)).mul_(self.scale).add_(dmask)
+                out[:D] = torch.matmul(scores.softmax(-1), vd[:, :, :L]).view(D, self.n_heads, hd)
             if plan is not None:
                 idx, valid, mask = plan
                 qs = q[idx].transpose(1, 2)  # [P, H, Lm, hd]

@@ -126,3 +126,46 @@ def append_runs(sample: Sample, ids: list[int], sources: list[str]) -> None:
         n = len(list(run))
         sample.append(ids[start : start + n], source=source)
         start += n
+
+
+def assistant_text(tokenizer: Any, message: dict[str, Any], tools: list[dict[str, Any]] | None) -> str:
+    """What the template writes for an assistant message between its header and its closing.
+
+    That is the text a model must produce for this turn (tool calls in the template's
+    own `<tool_call>` format), so a demonstration teaches exactly what the rollout reads.
+    """
+    head = render(tokenizer, [DUMMY[0]], tools, True)
+    full = render(tokenizer, [DUMMY[0], message], tools, False)
+    close = closing(tokenizer)
+    if not full.startswith(head) or not full.endswith(close):
+        raise TemplateError("the chat template does not render an assistant turn as header + content + closing")
+    return full[len(head) : len(full) - len(close)]
+
+
+def conversation_sample(tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
+                        *, end_token: str = "<|im_end|>") -> Sample:
+    """A whole demonstrated conversation as one Sample whose token ids match what a multi-turn rollout produces.
+
+    The prompt is everything before the first assistant turn (chat template with a
+    generation prompt); each assistant turn is its template text plus `end_token`
+    (what the model stops with), trained (loss mask 1); the messages between turns are
+    added with `suffix_ids`, exactly as `multiturn.generate` and the session server
+    add them, with loss mask 0. Messages after the last assistant turn are not used.
+    """
+    from furlong.rollout.generate import encode_prompt
+
+    first = next((i for i, m in enumerate(messages) if m.get("role") == "assistant"), None)
+    if first is None or first == 0:
+        raise ValueError("conversation_sample: needs prompt messages followed by at least one assistant turn")
+    sample = Sample(prompt=list(messages[:first]), tokens=encode_prompt(tokenizer, messages[:first], tools))
+    i = first
+    while i < len(messages):
+        text = assistant_text(tokenizer, messages[i], tools) + end_token
+        sample.append(tokenizer.encode(text, add_special_tokens=False), version=0)
+        j = next((k for k in range(i + 1, len(messages)) if messages[k].get("role") == "assistant"), None)
+        if j is None:
+            break
+        ids, sources = suffix_ids(tokenizer, messages[i + 1 : j], tools=tools, after_output=text)
+        append_runs(sample, ids, sources)
+        i = j
+    return sample

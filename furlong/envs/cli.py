@@ -3,6 +3,8 @@
     furlong envs sessions --engine http://127.0.0.1:30000 --port 31000
         serve sessions in front of an engine (or the router); an agent uses
         http://127.0.0.1:31000/sessions/<id>/v1 as its OpenAI base_url
+    furlong envs demos calculator FILE [--n 2000] [--flawed 0.5] [--difficulty 1]
+        write calculator tool-use conversations for the SFT warm-up (data.sft_path)
     furlong envs sandbox FILE.py [--timeout 10] [--memory-mb 1024]
         run a program in the local sandbox and print the result as JSON,
         including which isolation layers were in force on this machine
@@ -24,6 +26,13 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=31000)
     s.add_argument("--model", default=None, help="tokenizer directory (default: the engine's, from /get_model_info)")
+    d = sub.add_parser("demos", help="write warm-up conversations (data.sft_path) for a built-in environment")
+    d.add_argument("env", choices=["calculator"])
+    d.add_argument("out", help="JSONL file to write")
+    d.add_argument("--n", type=int, default=2000)
+    d.add_argument("--flawed", type=float, default=0.5, help="fraction that skip the tool and answer wrongly")
+    d.add_argument("--difficulty", type=int, default=1)
+    d.add_argument("--seed", type=int, default=0)
     b = sub.add_parser("sandbox", help="run a Python file in the local sandbox; print the result as JSON")
     b.add_argument("file")
     b.add_argument("--timeout", type=float, default=10.0, help="wall-clock seconds")
@@ -32,6 +41,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "sessions":
         return _sessions(args)
+    if args.command == "demos":
+        from furlong.envs.calculator import write_demonstrations
+
+        path = write_demonstrations(args.out, args.n, seed=args.seed, flawed=args.flawed, difficulty=args.difficulty)
+        print(f"wrote {args.n} {args.env} demonstrations to {path}", file=sys.stderr)
+        return 0
     return _sandbox(args)
 
 

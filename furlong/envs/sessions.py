@@ -8,7 +8,7 @@ session server instead keeps, per trajectory, the exact token ids the engine saw
 produced, and on each turn tokenises *only the messages the agent appended*
 (`chat.suffix_ids`); earlier model output is never re-tokenised.
 
-    POST   /sessions                           {"metadata"?, "label"?}  -> {"id"}
+    POST   /sessions                           {"metadata"?, "label"?, "sampling"?, "max_new_tokens"?} -> {"id"}
     POST   /sessions/{id}/v1/chat/completions  OpenAI chat API; use .../sessions/{id}/v1 as base_url
     GET    /sessions/{id}/samples              the session's Samples (one per trajectory), as JSON
     DELETE /sessions/{id}                      end the session; returns its Samples
@@ -27,6 +27,16 @@ re-formatted beyond the comparison above), the recorded history no longer matche
 what the client claims: that is a template mismatch. The request is served on a
 branch (so the engine sees what the client sent), `metadata["template_mismatch"]` is
 set on that Sample and the `template_mismatches` counter goes up.
+
+A session may carry defaults the agent cannot see: `sampling` (temperature, top_p,
+top_k, stop, seed — what the agent's request leaves out; a seed gives each turn its
+own derived seed) and a token budget `max_new_tokens` for the whole trajectory (model
+turns plus appended messages, as in `multiturn.generate`): each turn's `max_tokens` is
+capped at what is left, and a turn with nothing left is refused (HTTP 400,
+`param: max_tokens`) and flagged `metadata["budget_exhausted"]`. This is how
+`agent.generate` makes a black-box agent sample with the rollout's settings and fit
+the trainer's sequence budget. `metadata["last_turn"]` numbers the session's turns,
+so the trajectory served last is known.
 
 Every engine call of a session carries `X-Routing-Key: <session id>`, so behind the
 router the whole session stays on one engine (and reuses its prefix cache).
@@ -51,7 +61,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from furlong.envs.chat import append_runs, suffix_ids
 from furlong.envs.tools import parse_tool_calls
 from furlong.rollout.client import EngineError
-from furlong.rollout.generate import apply_response, encode_prompt
+from furlong.rollout.generate import apply_response, derive_seed, encode_prompt
 from furlong.rollout.sample import Sample
 
 ROUTING_HEADER = "X-Routing-Key"
@@ -83,6 +93,15 @@ def normalise(m: dict[str, Any]) -> tuple[Any, ...]:
     return (m.get("role"), (content or "").strip(), tuple(calls))
 
 
+def template_tools(tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Tools as a session hands them to the chat template: each OpenAI `{"type": "function", "function": f}` as `f`.
+
+    Warm-up demonstrations meant for session rollouts render their tools the same way
+    (`calculator.write_demonstrations`), so their prompts are the rollout's token for token.
+    """
+    return [t.get("function", t) for t in tools]
+
+
 def clean(m: dict[str, Any]) -> dict[str, Any]:
     """A client message as the chat template reads it (content as text, null fields dropped)."""
     out = {k: v for k, v in m.items() if v is not None and k in ("role", "content", "tool_calls", "tool_call_id", "name")}
@@ -104,6 +123,9 @@ class Session:
     id: str
     metadata: dict[str, Any]
     label: Any = None
+    sampling: dict[str, Any] = field(default_factory=dict)  # defaults for what a request leaves out
+    budget: int | None = None  # response tokens per trajectory, appended messages included
+    turns: int = 0
     trajectories: list[Trajectory] = field(default_factory=list)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
@@ -122,9 +144,16 @@ class SessionServer:
         self._http: httpx.AsyncClient | None = None
 
     # ---- the Python API (also what the HTTP routes call) -------------------------
-    def create(self, metadata: dict[str, Any] | None = None, label: Any = None) -> str:
+    def create(self, metadata: dict[str, Any] | None = None, label: Any = None, *,
+               sampling: dict[str, Any] | None = None, max_new_tokens: int | None = None) -> str:
+        unknown = sorted(set(sampling or {}) - set(SAMPLING_KEYS.values()))
+        if unknown:
+            raise RequestError("sampling", f"unknown key(s) {unknown}; known: {sorted(SAMPLING_KEYS.values())}")
+        if max_new_tokens is not None and (isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int)
+                                           or max_new_tokens < 1):
+            raise RequestError("max_new_tokens", f"must be a positive integer, got {max_new_tokens!r}")
         sid = uuid.uuid4().hex
-        self.sessions[sid] = Session(sid, dict(metadata or {}), label)
+        self.sessions[sid] = Session(sid, dict(metadata or {}), label, dict(sampling or {}), max_new_tokens)
         self.counts["sessions_created"] += 1
         return sid
 
@@ -181,11 +210,13 @@ class SessionServer:
                     traj.history.extend(normalise(m) for m in new)
                     sample.metadata["messages"].extend(clean(m) for m in new)
                 out = await self._generate(session, sample, body)
-            except BaseException:  # the turn did not happen: leave the trajectory as it was
+            except BaseException as e:  # the turn did not happen: leave the trajectory as it was
                 if traj.sample.index >= existing:  # created for this turn
                     session.trajectories.remove(traj)
                 _truncate(sample, undo[0])
                 del traj.history[undo[1] :], sample.metadata["messages"][undo[2] :]
+                if isinstance(e, RequestError) and e.param == "max_tokens":
+                    sample.metadata["budget_exhausted"] = True
                 raise
             reply_ids = sample.tokens[len(sample.tokens) - len(out["output_ids"]) :]
             text = tok.decode(reply_ids, skip_special_tokens=True)
@@ -198,6 +229,8 @@ class SessionServer:
             sample.metadata["messages"].append(clean(message))
             traj.points.append((len(traj.history), len(sample.tokens), tok.decode(reply_ids, skip_special_tokens=False)))
             sample.metadata["turns"] = len(traj.points)
+            session.turns += 1
+            sample.metadata["last_turn"] = session.turns
             self.counts["turns"] += 1
         return self._response(body, out, message, reply_ids, sample, tok)
 
@@ -213,7 +246,7 @@ class SessionServer:
         if tools is not None and not isinstance(tools, list):
             raise RequestError("tools", "must be a list")
         if tools and body.get("tool_choice") != "none":
-            return messages, [t.get("function", t) for t in tools]
+            return messages, template_tools(tools)
         return messages, None
 
     def _place(self, session: Session, messages: list[dict[str, Any]], tools: Any, tok: Any
@@ -268,7 +301,17 @@ class SessionServer:
 
     async def _generate(self, session: Session, sample: Sample, body: dict[str, Any]) -> dict[str, Any]:
         params = {ours: body[theirs] for theirs, ours in SAMPLING_KEYS.items() if body.get(theirs) is not None}
+        defaults = {k: v for k, v in session.sampling.items() if k not in params}
+        if "seed" in defaults:  # one seed per turn, from what the turn is, never from timing
+            defaults["seed"] = derive_seed(defaults["seed"], session.turns, len(sample.tokens))
+        params = {**defaults, **params}
         max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+        if session.budget is not None:
+            left = session.budget - sample.response_length
+            if left <= 0:
+                self.counts["budget_refusals"] += 1
+                raise RequestError("max_tokens", f"the session's token budget ({session.budget}) is used up")
+            max_tokens = left if max_tokens is None else min(int(max_tokens), left)
         if max_tokens is not None:
             params["max_new_tokens"] = max_tokens
         payload = {"input_ids": sample.tokens, "sampling_params": params, "return_logprob": True}
@@ -343,9 +386,13 @@ class SessionServer:
         @app.post("/sessions")
         async def create(request: Request):
             body = await body_of(request)
-            if not isinstance(body, dict) or not isinstance(body.get("metadata", {}), dict):
-                raise RequestError("metadata", "must be an object")
-            return {"id": self.create(body.get("metadata"), body.get("label"))}
+            if not isinstance(body, dict):
+                raise RequestError("body", "must be a JSON object")
+            for key in ("metadata", "sampling"):
+                if not isinstance(body.get(key) or {}, dict):
+                    raise RequestError(key, "must be an object")
+            return {"id": self.create(body.get("metadata"), body.get("label"), sampling=body.get("sampling"),
+                                      max_new_tokens=body.get("max_new_tokens"))}
 
         @app.post("/sessions/{sid}/v1/chat/completions")
         async def chat(sid: str, request: Request):

@@ -115,7 +115,12 @@ class RolloutManager:
         self.stale_policy = "retry" if self.mode == "sync" else getattr(c, "stale_policy", "retry")
         self.partial = bool(c.partial_rollout)
 
-        self.generate_fn = generate_fn or load_fn(getattr(c, "generate_fn", None), "rollout.generate_fn") or generate
+        self.generate_fn = generate_fn or load_fn(getattr(c, "generate_fn", None), "rollout.generate_fn")
+        if self.generate_fn is None and getattr(c, "agent_fn", None):  # a black-box agent, through a TITO session
+            from furlong.envs.agent import generate as agent_generate
+
+            self.generate_fn = agent_generate
+        self.generate_fn = self.generate_fn or generate
         self.group_reward_fn = group_reward_fn or load_fn(getattr(c, "group_reward_fn", None), "rollout.group_reward_fn")
         self.reward_fn = reward_fn or load_fn(getattr(c, "reward_fn", None), "rollout.reward_fn")
         if self.reward_fn is None and self.group_reward_fn is None:

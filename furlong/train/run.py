@@ -58,15 +58,23 @@ def sft_samples(prompts: list[Any], tokenizer: Any, chat: bool) -> list[Any]:
     """Warm-up samples: prompt + demonstrated response + end of turn; only the response is trained.
 
     A prompt's response is its `metadata["response"]` (a demonstrations file, `data.sft_path`)
-    or else its synthetic task's reference answer.
+    or else its synthetic task's reference answer. A whole demonstrated conversation
+    (`metadata["conversation"]`: tool calls, tool results, several assistant turns) becomes
+    the token ids a multi-turn rollout produces, with only the assistant turns trained.
     """
     from furlong.data.tasks import get_task
+    from furlong.envs.chat import conversation_sample
     from furlong.rollout.generate import encode_prompt
     from furlong.rollout.sample import Sample
 
     end = tokenizer.convert_tokens_to_ids("<|im_end|>" if chat else "<|endoftext|>")
     out = []
     for i, p in enumerate(prompts):
+        if p.metadata.get("conversation"):
+            s = conversation_sample(tokenizer, p.prompt, p.metadata.get("tools"))
+            s.index = s.group_index = i
+            out.append(s)
+            continue
         s = Sample(index=i, group_index=i, prompt=p.prompt, tokens=encode_prompt(tokenizer, p.prompt))
         response = p.metadata.get("response")
         if response is None:
@@ -76,6 +84,20 @@ def sft_samples(prompts: list[Any], tokenizer: Any, chat: bool) -> list[Any]:
     return out
 
 
+def _first_record(path: str) -> Any:
+    """The first JSON line of a `.jsonl` demonstrations file (None otherwise): which form its demonstrations take."""
+    if not str(path).endswith((".jsonl", ".ndjson")) or not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        for line in f:
+            if line.strip():
+                try:
+                    return json.loads(line)
+                except json.JSONDecodeError:
+                    return None  # load_dataset reports it, naming the line
+    return None
+
+
 def sft_source(cfg: Any, train_source: Any) -> Any:
     """Where warm-up prompts come from: the demonstrations file, or the RL train stream itself."""
     from furlong.data import DataSource, Prompt, load_dataset
@@ -83,6 +105,15 @@ def sft_source(cfg: Any, train_source: Any) -> Any:
     d = cfg.data
     if not d.sft_path:
         return train_source
+    first = _first_record(d.sft_path)
+    key = d.messages_key or "messages"
+    turns = first.get(key) if isinstance(first, dict) else None
+    if isinstance(turns, list) and any(isinstance(m, dict) and m.get("role") == "assistant" for m in turns):
+        # Whole conversations: `messages` with the assistant turns (and `tools` when the first line has them).
+        demos = load_dataset(d.sft_path, messages_key=key, label_key=None, on_error=d.on_error,
+                             metadata_keys=["tools"] if "tools" in first else [])
+        return DataSource([Prompt(p.index, p.prompt, None, {**p.metadata, "conversation": True}) for p in demos],
+                          seed=cfg.seed)
     demos = load_dataset(d.sft_path, prompt_key=None if d.messages_key else d.prompt_key, messages_key=d.messages_key,
                          label_key=d.sft_response_key, on_error=d.on_error)
     prompts = []

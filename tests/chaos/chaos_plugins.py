@@ -7,7 +7,9 @@ trainer's Ray actor.
 
 from __future__ import annotations
 
+import asyncio
 import math
+import os
 import signal
 import zlib
 from typing import Any
@@ -40,16 +42,21 @@ def raising_reward(sample: Any) -> float:
 async def chaos_reward(sample: Any) -> float:
     """`raising_reward`, and on the planned calls a signal to an engine (after the previous fault healed)."""
     STATE["calls"] += 1
-    plan = STATE["plan"]
-    while plan and STATE["calls"] >= plan[0][0]:
-        _, action, engine = plan.pop(0)
-        run = STATE["run"]
-        await run.supervisor.wait_all_serving()  # one fault at a time: the last one has been repaired
-        if action != "wait":
-            sig = signal.SIGKILL if action == "kill" else signal.SIGSTOP
-            faults_before = len(run.supervisor.faults)
-            await run.top.engines[engine].kill.remote(int(sig))
-            STATE["injected"].append((action, engine, faults_before))
+    call, plan = STATE["calls"], STATE["plan"]
+    if plan and call >= plan[0][0]:
+        async with STATE.setdefault("lock", asyncio.Lock()):  # one injection at a time, in plan order
+            while plan and call >= plan[0][0]:
+                _, action, engine = plan.pop(0)
+                sup = STATE["run"].supervisor
+                await sup.wait_all_serving()  # the last fault has been repaired
+                if action == "wait":
+                    continue
+                before = len(sup.faults)
+                sig = signal.SIGKILL if action == "kill" else signal.SIGSTOP
+                await STATE["run"].top.engines[engine].kill.remote(int(sig))
+                STATE["injected"].append((action, engine, before))
+                while len(sup.faults) == before:  # until the supervisor has seen it
+                    await asyncio.sleep(0.05)
     return raising_reward(sample)
 
 
@@ -61,3 +68,18 @@ def nan_at_1_and_from_3(step: int, batch: Any) -> None:
     """A NaN loss at optimiser step 1, then at every step from 3 on."""
     if step == 1 or step >= 3:
         _poison(batch)
+
+
+def varied_reward(sample: Any) -> float:
+    """A deterministic reward that differs within groups (the tiny model rarely solves a task), so weights move."""
+    return (sum(sample.tokens[-sample.response_length:]) % 7) / 7
+
+
+async def trainer_killing_reward(sample: Any) -> float:
+    """`varied_reward`; while RL step 2 is generated (checkpoint step_2 is complete), SIGKILL the trainer once."""
+    run = STATE["run"]
+    if not STATE.get("trainer_killed") and run.step == 2:
+        STATE["trainer_killed"] = True
+        pid = await run.top.trainers[0].pid.remote()
+        os.kill(pid, signal.SIGKILL)
+    return varied_reward(sample)

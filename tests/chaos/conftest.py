@@ -9,12 +9,15 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
+# The trainer's Ray workers import `chaos_plugins` (before_train_step) too: they inherit this environment.
+os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(Path(__file__).parent), os.environ.get("PYTHONPATH")) if p)
 
 # Short health checks so hung engines are found quickly; one trainer rank, tiny model, no TensorBoard.
 BASE = ["router.health_interval_s=0.5", "router.health_timeout_s=3", "router.unhealthy_after=2",
