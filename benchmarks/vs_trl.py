@@ -9,16 +9,18 @@ group size 8 = 64 samples per optimiser step, every completion exactly 64 tokens
 Both run in this process tree on the same number of cores (`--threads`: TRL's torch threads;
 furlong's `cluster.num_cpus`, which its topology divides among engine and trainer).
 
-What is timed (steady state only, `--warmup` untimed steps first, then `--steps` timed):
-- TRL: from the end of the last warm-up optimiser step to the end of the last step
+What is timed (steady state only: untimed warm-up steps first, then `--steps` timed steps):
+- TRL (one warm-up step: it generates and trains in turn, so its steps are all alike): from
+  the end of the warm-up optimiser step to the end of the last step
   (`TrainerCallback.on_step_end` wall clock), i.e. generation + reward + loss + backward +
   optimiser for each step. Model loading and trainer construction are outside the window.
-- furlong: from the end of the last warm-up RL step to the end of the last step, from the
+- furlong (`--warmup` steps, default 2, so the async buffer reaches its steady state): from
+  the end of the last warm-up RL step to the end of the last step, from the
   per-step wall clock in the run's `metrics.jsonl`, i.e. rollout + train + weight sync +
   logging. Ray, engine and trainer start-up, eval and the final checkpoint are outside it.
 samples/s = samples trained in the window / window seconds.
 
-    python benchmarks/vs_trl.py [--steps 2] [--warmup 1] [--threads 2] [--smoke]
+    python benchmarks/vs_trl.py [--steps 2] [--warmup 2] [--threads 2] [--smoke]
 
 Last line: `RATIO furlong_sync_vs_trl=<x> furlong_async_vs_trl=<y>`.
 """
@@ -30,6 +32,7 @@ import os
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from typing import Any
 
 from rl_bench import Work, breakdown, run_furlong, shutdown_ray
@@ -90,7 +93,7 @@ def run_trl(work: Work) -> dict[str, float]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=2, help="timed steps per system")
-    ap.add_argument("--warmup", type=int, default=1, help="untimed steps first")
+    ap.add_argument("--warmup", type=int, default=2, help="untimed furlong steps first (TRL: always 1)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--lr", type=float, default=1e-5)
     ap.add_argument("--smoke", action="store_true", help="tiny model, 2x2 samples of 8 tokens, 1 timed step: proves the script runs")
@@ -102,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.smoke:
         work = Work(size="tiny", prompts=2, group=2, new_tokens=8, steps=1, warmup=1, threads=args.threads, lr=args.lr, n_train=16)
     print(f"work: qwen3-{work.size}, {work.prompts} prompts x {work.group} samples x {work.new_tokens} tokens per step, "
-          f"lr {work.lr}, {work.warmup} warm-up + {work.steps} timed steps, {work.threads} threads; "
+          f"lr {work.lr}, {work.warmup} (TRL: 1) warm-up + {work.steps} timed steps, {work.threads} threads; "
           f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores", flush=True)
     res: dict[str, dict[str, float]] = {}
     try:
@@ -111,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  measured {name}: {res[name]['samples_per_s']:.2f} samples/s", flush=True)
     finally:
         shutdown_ray()
-    res["TRL GRPOTrainer"] = run_trl(work)  # last: TRL/accelerate set process-wide state furlong should not inherit
+    res["TRL GRPOTrainer"] = run_trl(replace(work, warmup=1))  # last: TRL/accelerate set process-wide state furlong should not inherit
     print(f"  measured TRL: {res['TRL GRPOTrainer']['samples_per_s']:.2f} samples/s", flush=True)
 
     trl = res["TRL GRPOTrainer"]["samples_per_s"]

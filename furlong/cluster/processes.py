@@ -120,3 +120,56 @@ class ManagedProcess:
 def furlong_argv(*args: str) -> list[str]:
     """`python -m furlong.cli ...` with this interpreter, so children use the same environment."""
     return [sys.executable, "-m", "furlong.cli", *args]
+
+
+REAPER_MARK = "FURLONG_REAP_MARK"
+
+
+def reaper_mark() -> str:
+    """A mark unique to this driver, for `os.environ[REAPER_MARK]` while it starts the processes to reap."""
+    return f"{os.getpid()}-{time.time_ns()}"
+
+
+def start_reaper(mark: str, session_dir: str) -> None:
+    """Kill, once this process is gone, every process that carries `mark` or has a file open under `session_dir`.
+
+    The driver starts a local Ray with the mark in its environment, which Ray's head
+    processes pass on to the workers, engines and router below them; Ray's agents
+    retitle themselves (setproctitle can overwrite `/proc/<pid>/environ`), but keep
+    their logs open in the Ray session directory. A driver that exits normally shuts
+    Ray down itself; a SIGKILLed (or OOM-killed) one cannot, and Ray's own fate-sharing
+    takes the GCS, raylet and workers down but not the dashboard and runtime-env
+    agents, which hang reporting the raylet's death to the dead GCS. The reaper is a
+    small process in its own session, waiting for EOF on a pipe only this process holds.
+    """
+    read_end, write_end = os.pipe()  # both non-inheritable: no child keeps the driver "alive"
+    subprocess.Popen([sys.executable, "-c", f"from furlong.cluster.processes import reap; reap({mark!r}, {session_dir!r})"],
+                     stdin=read_end, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    os.close(read_end)
+    start_reaper.pipes = [*getattr(start_reaper, "pipes", []), write_end]  # type: ignore[attr-defined]  # open until exit
+
+
+def _marked(pid: str, needle: bytes, session_dir: str) -> bool:
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            if needle in f.read().split(b"\0"):
+                return True
+        return any(os.readlink(f"/proc/{pid}/fd/{fd}").startswith(session_dir) for fd in os.listdir(f"/proc/{pid}/fd"))
+    except OSError:  # gone, or not ours to read
+        return False
+
+
+def reap(mark: str, session_dir: str) -> None:
+    """The reaper's body (see `start_reaper`): wait for the driver to end, then SIGKILL what it left."""
+    sys.stdin.buffer.read()
+    needle, session_dir = f"{REAPER_MARK}={mark}".encode(), session_dir.rstrip("/") + "/"
+    for _ in range(20):  # a dying raylet may still spawn a worker: scan until nothing is left
+        found = [int(p) for p in os.listdir("/proc") if p.isdigit() and int(p) != os.getpid() and _marked(p, needle, session_dir)]
+        if not found:
+            return
+        for pid in found:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+        time.sleep(0.2)

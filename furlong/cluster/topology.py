@@ -22,7 +22,7 @@ from typing import Any
 
 import ray
 
-from furlong.cluster.processes import free_port, furlong_argv
+from furlong.cluster.processes import REAPER_MARK, free_port, furlong_argv, reaper_mark, start_reaper
 
 
 def threads_per_process(cfg: Any) -> int:
@@ -48,8 +48,14 @@ def init_ray(cfg: Any, bundles: int) -> None:
         # Logical CPUs: one per bundle at least, so a 2-core laptop can place 3 processes;
         # real sharing of the cores is set by thread counts, not by Ray.
         cpus = max(bundles, cfg.cluster.num_cpus or os.cpu_count() or 1)
-        ray.init(num_cpus=cpus, num_gpus=cfg.cluster.num_gpus, include_dashboard=False,
-                 runtime_env=env, log_to_driver=False, configure_logging=False)
+        # This Ray is ours: everything under it dies with the driver, even a SIGKILLed one.
+        os.environ[REAPER_MARK] = mark = reaper_mark()
+        try:
+            ctx = ray.init(num_cpus=cpus, num_gpus=cfg.cluster.num_gpus, include_dashboard=False,
+                           runtime_env=env, log_to_driver=False, configure_logging=False)
+        finally:
+            del os.environ[REAPER_MARK]  # Ray's head processes have it; later children of the driver need not
+        start_reaper(mark, ctx.address_info["session_dir"])
 
 
 @dataclass

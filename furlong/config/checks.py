@@ -202,8 +202,20 @@ def check(cfg: "Config") -> list[Problem]:
             f"(train.total_steps={tr.total_steps} × train.num_steps_per_rollout={tr.num_steps_per_rollout})")
     if tr.lora.enabled and cfg.weights.transport == "p2p":
         bad(("train.lora.enabled", "weights.transport"),
-            "train.lora.enabled=true syncs adapters only, which weights.transport=p2p (full-shard sends) cannot; "
-            "use shm, broadcast, disk or delta")
+            "train.lora.enabled=true syncs weights merged from the base and the adapters, which "
+            "weights.transport=p2p (each rank sends its own shards of the base) cannot carry; use shm, broadcast, disk or delta")
+
+    # --- accepted by the schema, not built yet: refuse rather than silently ignore
+    not_built = [
+        ("engine.quantization", eng.quantization != "none", "quantised rollout weights (FP8/MXFP8/NVFP4)"),
+        ("train.qat", tr.qat != "none", "INT4 quantisation-aware training"),
+        ("rollout.routing_replay", ro.routing_replay, "replaying MoE routing in the trainer (engines already record it)"),
+        ("rollout.rollout_fn", ro.rollout_fn is not None, "replacing the whole rollout step"),
+        ("train.convert_fn", tr.convert_fn is not None, "a custom samples-to-train-batch conversion"),
+    ]
+    for field, used, what in not_built:
+        if used:
+            bad((field,), f"{field}: {what} is not built yet; remove the setting (see docs/features.yaml for status)")
 
     # --- hardware
     gpu_users = []

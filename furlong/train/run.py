@@ -175,6 +175,10 @@ class Run:
         self.version = 0
         self.step = 0
         from furlong.cluster.engine_stats import EngineStats
+        from furlong.config.registry import resolve
+
+        self.reward_post_fn = resolve(self.cfg, "rollout.reward_post_fn")
+        self.after_save = resolve(self.cfg, "train.after_save")
 
         self.engine_stats = EngineStats(self.top.engine_urls)
 
@@ -216,6 +220,8 @@ class Run:
         tmp = path / (DRIVER_STATE + ".tmp")
         tmp.write_text(json.dumps(state))
         tmp.rename(path / DRIVER_STATE)  # written last: its presence marks the checkpoint complete
+        if self.after_save is not None:
+            self.after_save(step, str(path))
         keep = self.cfg.train.keep_checkpoints
         if keep:
             done = sorted((p for p in path.parent.glob("step_*") if (p / DRIVER_STATE).exists()),
@@ -251,6 +257,9 @@ class Run:
                 span = self.log.store.span
                 with span("driver", "generate", step):
                     batch = await self.manager.next_batch(step)
+                if self.reward_post_fn is not None:  # reward shaping over the whole batch
+                    for s, r in zip(batch, self.reward_post_fn(batch), strict=True):
+                        s.reward = float(r)
                 t_gen = time.perf_counter()
                 trained = await self.top.acall("train_rollout", batch, step)
                 self.log.store.record_span("trainer/0", "forward-backward", step, *trained["span"], device="cpu:0")

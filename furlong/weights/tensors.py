@@ -73,7 +73,7 @@ def shm_views(handle: dict[str, Any]) -> Iterator[dict[str, torch.Tensor]]:
     Mappings are kept open across calls (an LRU of `MAPPINGS`) because the
     sender reuses its segments from sync to sync (`weights.shm`): a fresh
     mapping pays a page fault per 4 KiB page on every sync, a kept one pays
-    it once (~9 vs ~5 GB/s here). A cached mapping is reused only if the name
+    it once (a kept mapping read ~1.7x faster here). A cached mapping is reused only if the name
     still refers to the same segment (same inode), so an unlinked-and-recreated
     name is reopened, and mappings of unlinked segments are dropped.
     """

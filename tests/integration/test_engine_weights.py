@@ -161,3 +161,31 @@ def test_abort_by_rid_over_http(world):
     t.join(60)
     meta = result["r"].json()["meta_info"]
     assert meta["finish_reason"]["type"] == "abort" and meta["completion_tokens"] < 1500
+
+
+def test_router_fans_out_weights_checksum_behind_the_admin_token(world):
+    """/get_weights_checksum exposes the weights' fingerprint: control-only on the engine and on the router."""
+    import uvicorn
+
+    from furlong.router.server import Router
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(Router([world["url"]], admin_token=TOKEN).app, host="127.0.0.1", port=port, log_level="warning"))
+    t = threading.Thread(target=server.run, daemon=True)
+    t.start()
+    try:
+        while not server.started:
+            time.sleep(0.02)
+        url = f"http://127.0.0.1:{port}"
+        body = {"names": ["model.norm.weight"]}
+        assert httpx.post(url + "/get_weights_checksum", json=body).status_code == 401
+        r = httpx.post(url + "/get_weights_checksum", json=body, headers=AUTH, timeout=30)
+        assert r.status_code == 200, r.text
+        (res,) = r.json()["results"].values()
+        want = httpx.post(world["url"] + "/get_weights_checksum", json=body, headers=AUTH).json()
+        assert res["body"]["tensors"] == want["tensors"]
+    finally:
+        server.should_exit = True
+        t.join(10)

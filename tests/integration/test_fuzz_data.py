@@ -19,25 +19,23 @@ MAX_LINE = 400
 json_values = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=20),
                            lambda kids: st.lists(kids, max_size=3) | st.dictionaries(st.text(max_size=5), kids, max_size=3),
                            max_leaves=6)
-good = st.builds(lambda p, lab: {"prompt": p, "label": lab}, st.text(min_size=1, max_size=30).filter(str.strip), json_values)
+good = st.builds(lambda p, lab: {"prompt": p, "label": lab}, st.text(min_size=1, max_size=30).filter(str.strip),
+                 json_values.filter(lambda v: v is not None))  # a null label is an error by design
+dumps = lambda v: json.dumps(v).encode()  # noqa: E731
 bad = st.one_of(
-    st.builds(lambda lab: {"label": lab}, json_values),  # prompt missing
-    st.builds(lambda p: {"prompt": p, "label": 1}, st.integers() | st.lists(st.integers(), max_size=3) | st.just(" ")),
-    json_values.filter(lambda v: not isinstance(v, dict)),
-    st.binary(min_size=1, max_size=40).map(lambda b: b + b"\xff\xfe"),  # invalid UTF-8
-    st.text(min_size=1, max_size=30).map(lambda t: "{" + t),  # broken JSON
-    st.just({"prompt": "x" * MAX_LINE, "label": 1}),  # over max_line_bytes
+    st.builds(lambda lab: {"label": lab}, json_values).map(dumps),  # prompt missing
+    st.builds(lambda p: {"prompt": p, "label": 1}, st.integers() | st.lists(st.integers(), max_size=3) | st.just(" ")).map(dumps),
+    json_values.filter(lambda v: not isinstance(v, dict)).map(dumps),  # not an object
+    st.binary(min_size=1, max_size=40).map(lambda b: b.replace(b"\n", b" ") + b"\xff\xfe"),  # invalid UTF-8
+    st.text(min_size=1, max_size=30).map(lambda t: ("{" + t.replace("\n", " ")).encode()),  # broken JSON
+    st.just(dumps({"prompt": "x" * MAX_LINE, "label": 1})),  # over max_line_bytes
 )
-line = st.one_of(good.map(lambda r: ("good", r)), bad.map(lambda r: ("bad", r)), st.just(("blank", "")))
+line = st.one_of(good.map(lambda r: ("good", r)), bad.map(lambda r: ("bad", r)), st.just(("blank", b"")))
 
 
 def encode(item) -> bytes:
     _, value = item
-    if isinstance(value, bytes):
-        return value.replace(b"\n", b" ")
-    if isinstance(value, str):
-        return value.replace("\n", " ").encode()
-    return json.dumps(value).encode()
+    return value if isinstance(value, bytes) else dumps(value)
 
 
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

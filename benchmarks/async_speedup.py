@@ -1,0 +1,72 @@
+"""The async spectrum on the same work: furlong sync vs one-step overlap vs fully async.
+
+Each mode runs the same GRPO work through furlong's real driver (Ray, router, engine process,
+trainer actor, weight sync): the qwen3 `m25` model, 8 prompts × group size 8 per step, every
+response exactly 64 tokens (`ignore_eos`), one optimiser step per rollout batch, the same
+seed, learning rate and core budget (`--threads`, given as `cluster.num_cpus`; the topology
+gives engine and trainer every core in sync mode, where they take turns, and splits them
+when they run at the same time). Overlap and async run with `max_staleness=1`.
+
+What is timed: steady state only. After `--warmup` untimed steps, from the end of the last
+warm-up step to the end of the last of `--steps` timed steps, from the per-step wall clock in
+each run's `metrics.jsonl` (rollout + train + weight sync + logging); Ray and engine start-up,
+eval and the final checkpoint are outside the window. samples/s = samples trained in the
+window / window seconds. Async modes prefetch up to their buffer bound, so a short window can
+flatter them by at most that much work; the default warm-up of 2 steps lets the buffer settle.
+
+    python benchmarks/async_speedup.py [--steps 4] [--warmup 2] [--threads 2] [--size m25] [--smoke]
+
+Last line: `SPEEDUP overlap_vs_sync=<x> async_vs_sync=<y>`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from rl_bench import MODES, Work, breakdown, run_furlong, shutdown_ray
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=4, help="timed steps per mode")
+    ap.add_argument("--warmup", type=int, default=2, help="untimed steps first")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--size", default="m25", choices=("tiny", "small", "m25"))
+    ap.add_argument("--smoke", action="store_true", help="tiny model, 2x2 samples of 8 tokens, 1 timed step: proves the script runs")
+    args = ap.parse_args(argv)
+    if args.warmup < 1 or args.steps < 1:
+        ap.error("--warmup and --steps must be >= 1")
+    os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
+    work = Work(size=args.size, steps=args.steps, warmup=args.warmup, threads=args.threads)
+    if args.smoke:
+        work = Work(size="tiny", prompts=2, group=2, new_tokens=8, steps=1, warmup=1, threads=args.threads, n_train=16)
+    print(f"work: qwen3-{work.size}, {work.prompts} prompts x {work.group} samples x {work.new_tokens} tokens per step, "
+          f"{work.warmup} warm-up + {work.steps} timed steps, {work.threads} threads; "
+          f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores", flush=True)
+    res: dict[str, dict[str, float]] = {}
+    try:
+        for mode in MODES:
+            res[mode] = run_furlong(work, mode)
+            print(f"  measured {mode}: {res[mode]['samples_per_s']:.2f} samples/s", flush=True)
+    finally:
+        shutdown_ray()
+    base = res["sync"]["samples_per_s"]
+    print(f"\n{'mode':<10}{'samples/s':>11}{'s/step':>9}{'vs sync':>10}")
+    for mode in MODES:
+        r = res[mode]
+        print(f"{mode:<10}{r['samples_per_s']:>11.2f}{r['step_s']:>9.2f}{r['samples_per_s'] / base:>9.2f}x")
+    print("\nper-step time, as the driver logs it (in overlap/async, generation also runs during train):")
+    for mode in MODES:
+        print(breakdown(mode, res[mode]))
+    load = os.getloadavg()[0]
+    print(f"\nload average {load:.1f} on {os.cpu_count()} cores"
+          + (" - other work shared the CPU; these figures understate every mode" if load > args.threads + 0.5 else ""))
+    print(f"SPEEDUP overlap_vs_sync={res['overlap']['samples_per_s'] / base:.2f} "
+          f"async_vs_sync={res['async']['samples_per_s'] / base:.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

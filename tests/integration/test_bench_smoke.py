@@ -1,0 +1,60 @@
+"""The RL benchmarks run end to end at their smallest (`--smoke`: tiny model, 2x2 samples, 1 timed step).
+
+No timing is asserted: these prove the scripts work, so a recorded figure can be reproduced.
+The window arithmetic they rely on is checked exactly on made-up step logs.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+BENCH = ROOT / "benchmarks"
+FLOAT = r"(\d+(?:\.\d+)?)"
+
+
+def run_script(name: str, timeout: float = 240) -> list[str]:
+    env = {**os.environ, "OMP_NUM_THREADS": "2", "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    p = subprocess.run([sys.executable, str(BENCH / name), "--smoke"], cwd=ROOT, env=env, capture_output=True,
+                       text=True, timeout=timeout)
+    assert p.returncode == 0, f"{name} exited {p.returncode}:\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}"
+    return p.stdout.strip().splitlines()
+
+
+def test_steady_state_window_starts_after_warmup() -> None:
+    sys.path.insert(0, str(BENCH))
+    try:
+        from rl_bench import steady_state
+    finally:
+        sys.path.remove(str(BENCH))
+    rows = [{"step": i + 1, "time": t, "rollout/samples": 64.0, "time/rollout_wait_s": 1.0, "time/train_s": 2.0,
+             "weight_sync/seconds": 0.5, "rollout/response_len_mean": 64.0} for i, t in enumerate([100.0, 110.0, 114.0, 118.0])]
+    r = steady_state(rows, warmup=2)  # steps 3 and 4 are timed: 128 samples from t=110 to t=118
+    assert r["samples_per_s"] == 128 / 8 and r["step_s"] == 4.0 and r["other_s"] == 0.5
+    with pytest.raises(ValueError, match="at least 3 logged steps"):
+        steady_state(rows[:2], warmup=2)
+
+
+@pytest.mark.slow
+def test_async_speedup_smoke() -> None:
+    lines = run_script("async_speedup.py")
+    assert re.fullmatch(rf"SPEEDUP overlap_vs_sync={FLOAT} async_vs_sync={FLOAT}", lines[-1]), lines[-1]
+    for mode in ("sync", "overlap", "async"):
+        assert any(re.match(rf"{mode}\s+{FLOAT}\s+{FLOAT}\s+{FLOAT}x$", line) for line in lines), (mode, lines)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("trl") is None, reason="TRL is in the `bench` extra: pip install -e '.[bench]'")
+def test_vs_trl_smoke() -> None:
+    lines = run_script("vs_trl.py")
+    m = re.fullmatch(rf"RATIO furlong_sync_vs_trl={FLOAT} furlong_async_vs_trl={FLOAT}", lines[-1])
+    assert m and float(m.group(1)) > 0 and float(m.group(2)) > 0, lines[-1]
+    for name in ("TRL GRPOTrainer", "furlong sync", "furlong async"):
+        assert any(line.startswith(name) and line.endswith("x") for line in lines), (name, lines)
