@@ -23,12 +23,15 @@ from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Query, Request
+from fastapi import Path as PathParam
 from fastapi.responses import FileResponse, JSONResponse
 from fastapi.staticfiles import StaticFiles
 
 from furlong.observe.advisories import advise
 from furlong.observe.reader import RunError, RunReader
 from furlong.observe.store import PHASES
+
+I64 = 2**63 - 1  # SQLite integers: a bigger query parameter is a 422, not an overflow
 
 STATIC = Path(__file__).parent / "static"
 
@@ -57,22 +60,23 @@ def create_app(run_dir: str | Path, *, follow: bool = False, poll_s: float = 2.0
         return reader().metrics([n for n in names.split(",") if n] if names else None)
 
     @app.get("/api/timeline")
-    def timeline(step_from: int | None = None, step_to: int | None = None, limit: int = Query(20000, ge=1, le=200000)) -> dict[str, Any]:
+    def timeline(step_from: int | None = Query(None, ge=-I64, le=I64), step_to: int | None = Query(None, ge=-I64, le=I64), limit: int = Query(20000, ge=1, le=200000)) -> dict[str, Any]:
         return reader().timeline(step_from, step_to, limit)
 
     @app.get("/api/samples")
     def samples(
-        step: int | None = None, status: str | None = None, group: int | None = None, q: str | None = None,
-        sort: str = "id", order: str = "asc", limit: int = Query(200, ge=1, le=5000), offset: int = Query(0, ge=0),
+        step: int | None = Query(None, ge=-I64, le=I64), status: str | None = None,
+        group: int | None = Query(None, ge=-I64, le=I64), q: str | None = None,
+        sort: str = "id", order: str = "asc", limit: int = Query(200, ge=1, le=5000), offset: int = Query(0, ge=0, le=I64),
     ) -> dict[str, Any]:
         return reader().samples(step=step, status=status, group=group, q=q, sort=sort, order=order, limit=limit, offset=offset)
 
     @app.get("/api/samples/{sample_id}")
-    def sample(sample_id: int) -> dict[str, Any]:
+    def sample(sample_id: int = PathParam(ge=-I64, le=I64)) -> dict[str, Any]:
         return reader().sample(sample_id)
 
     @app.get("/api/groups")
-    def groups(step: int | None = None) -> dict[str, Any]:
+    def groups(step: int | None = Query(None, ge=-I64, le=I64)) -> dict[str, Any]:
         return reader().groups(step)
 
     @app.get("/api/engines")

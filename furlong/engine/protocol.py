@@ -20,11 +20,12 @@ MAX_TOP_LOGPROBS = 20
 
 
 class BadRequest(ValueError):
-    """A client error: rendered as HTTP 400 with `param` naming the field."""
+    """A client error: rendered as HTTP 400 (or `status`, e.g. 413) with `param` naming the field."""
 
-    def __init__(self, param: str, message: str):
+    def __init__(self, param: str, message: str, status: int = 400):
         super().__init__(f"{param}: {message}" if param else message)
         self.param = param
+        self.status = status
 
 
 def validation_error(e: ValidationError) -> BadRequest:

@@ -39,14 +39,26 @@ def error(status: int, message: str, param: str | None = None) -> JSONResponse:
                          "success": False, "message": message}, status_code=status)
 
 
+MAX_BODY_BYTES = 64 * 2**20  # a request body above this is refused (413) before it is parsed
+
+
 async def body_of(request: HTTPRequest) -> Any:
-    raw = await request.body()
+    """The JSON body, read in chunks up to MAX_BODY_BYTES (chunked uploads included)."""
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > MAX_BODY_BYTES:
+            raise P.BadRequest("body", f"request body over {MAX_BODY_BYTES} bytes", status=413)
+        chunks.append(chunk)
+    raw = b"".join(chunks)
     if not raw:
         return {}
     try:
         return json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise P.BadRequest("body", f"malformed JSON: {e}") from None
+    except RecursionError:
+        raise P.BadRequest("body", "JSON nested too deeply") from None
 
 
 async def finished(engine: Engine, req: Request) -> Request:
@@ -113,7 +125,7 @@ def create_app(engine: Engine, admin_token: str | None = None) -> FastAPI:
 
     @app.exception_handler(P.BadRequest)
     async def bad_request(request: HTTPRequest, e: P.BadRequest):
-        return error(400, str(e), e.param)
+        return error(e.status, str(e), e.param)
 
     @app.exception_handler(WeightUpdateError)
     async def bad_weights(request: HTTPRequest, e: WeightUpdateError):

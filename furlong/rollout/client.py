@@ -130,7 +130,9 @@ class EngineClient:
         while self._inflight:
             rids = set(self._inflight)
             asked |= rids
-            await asyncio.gather(*(self.abort(rid) for rid in rids))
+            # An engine that died meanwhile cannot answer the abort; its requests come back
+            # as transport errors on their own, which is all an abort is for.
+            await asyncio.gather(*(self.abort(rid) for rid in rids), return_exceptions=True)
             try:
                 await asyncio.wait_for(self._idle.wait(), timeout=min(0.5, max(deadline - loop.time(), 0.01)))
             except TimeoutError:

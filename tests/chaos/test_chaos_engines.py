@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import chaos_plugins
 import pytest
-from conftest import chaos_config, run
+from chaos_run import chaos_config, run
+
+pytestmark = pytest.mark.slow  # one real run with four engine restarts: over a minute on 2 cores
 
 PLAN = [(6, "kill", 0), (18, "kill", 1), (30, "kill", 0), (42, "stop", 1), (54, "wait", 0)]
 STEPS, BATCH, N = 10, 4, 2

@@ -8,7 +8,7 @@ from pathlib import Path
 import chaos_plugins
 import pytest
 import torch
-from conftest import chaos_config, metrics, run
+from chaos_run import chaos_config, metrics, run
 from safetensors.torch import load_file
 
 from furlong.cluster.supervisor import MAX_TRAINER_RESTARTS, RunStopped, TrainerDied, check_finite, run_with_restarts
@@ -115,3 +115,37 @@ def test_check_finite_counts_streaks_across_steps():
     assert "skipped" in notes[0]
     with pytest.raises(RunStopped):
         check_finite([{"nonfinite/skipped": 1.0, "nonfinite/streak": 2.0}], 2, 2, notes.append)
+
+
+def test_a_nonfinite_step_leaves_weights_and_optimiser_untouched():
+    """In-process: a poisoned step is skipped (weights, Adam state, LR schedule unchanged); the next one trains."""
+    from furlong.config.schema import AlgoConfig
+    from furlong.models import create_model
+    from furlong.rollout.sample import Sample
+    from furlong.train.settings import TrainerConfig
+    from furlong.train.trainer import Trainer
+
+    def samples(seed: int) -> list[Sample]:
+        g = torch.Generator().manual_seed(seed)
+        out = []
+        for i in range(4):
+            s = Sample(index=i, group_index=i // 2, tokens=torch.randint(1, 500, (4,), generator=g).tolist(),
+                       reward=float(i % 2))
+            resp = torch.randint(1, 500, (3,), generator=g).tolist()
+            s.append(resp, logprobs=[-1.0] * len(resp))
+            out.append(s)
+        return out
+
+    def weights(tr: Trainer) -> dict[str, torch.Tensor]:
+        return {k: v.clone() for k, v in tr.state_dict_for_sync()}
+
+    tr = Trainer(create_model("qwen3", "tiny"), TrainerConfig(lr=1e-2), AlgoConfig())
+    tr.before_train_step = lambda step, batch: chaos_plugins._poison(batch) if step == 0 else None
+    before, sched = weights(tr), tr.scheduler.state_dict()
+    m = tr.train_step(samples(0))
+    assert m["nonfinite/skipped"] == 1.0 and m["nonfinite/streak"] == 1.0 and m["loss"] != m["loss"]
+    assert all(torch.equal(before[k], v) for k, v in weights(tr).items())
+    assert not tr.optimizer.state and tr.scheduler.state_dict() == sched
+    m = tr.train_step(samples(1))
+    assert m["nonfinite/skipped"] == 0.0 and m["nonfinite/streak"] == 0.0
+    assert any(not torch.equal(before[k], v) for k, v in weights(tr).items())

@@ -31,6 +31,8 @@ from typing import Any
 import pytest
 import torch
 
+pytestmark = pytest.mark.slow  # each test runs `furlong train` (Ray, trainer, engine, router) once or twice
+
 ROOT = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
 STEPS = 3
@@ -185,9 +187,10 @@ def assert_same_samples(want: list[list[Any]], got: list[list[Any]]) -> None:
 
 
 def assert_same_weights(want: dict[str, torch.Tensor], got: dict[str, torch.Tensor]) -> None:
+    """Bit for bit: the trainer recomputes every log-prob it trains on, so equal samples give equal weights."""
     assert want.keys() == got.keys() and want
-    worst = max((want[k] - got[k]).abs().max().item() for k in want)
-    assert worst <= 1e-6, f"final weights differ by up to {worst}"
+    different = {k: (want[k] - got[k]).abs().max().item() for k in want if not torch.equal(want[k], got[k])}
+    assert not different, f"final weights differ (max |diff| per tensor): {different}"
 
 
 @pytest.fixture(scope="module")
@@ -224,25 +227,30 @@ def test_train_runs_end_to_end_and_leaves_no_process(sync_run):
 
 
 def test_async_with_staleness_0_and_colocated_engine_equal_sync(sync_run):
-    """Fully async with `max_staleness=0` and a colocated engine reproduce sync exactly.
+    """Fully async with `max_staleness=0` and a colocated engine reproduce sync.
 
     Compared per step: sample tokens, rewards and per-token weight versions exactly;
-    rollout log-probs within 1e-5; final weights (step 3 checkpoint, exported) within 1e-6.
-    Why this can hold: every sample's seed derives from what it is (prompt, place in
-    the stream, sample index, tokens so far), the engine draws each request from its
-    own generator, and async with bound 0 regenerates every group that any token of
-    an older version touched, so the trainer sees the same batches in the same order.
+    rollout log-probs within 1e-5; final weights (step 3 checkpoint, exported) bit for bit.
+    Why this holds: every sample's seed derives from what it is (prompt, place in the
+    stream, sample index, tokens so far), the engine draws each request from its own
+    generator, and async with bound 0 regenerates every group that a token of an older
+    version touched, so the trainer sees the same batches in the same order.
+    Why log-probs get a tolerance: the engine batches requests differently in each run
+    (async keeps more requests in flight; the colocated engine runs with the trainer
+    process's threads), and fp32 matmuls over different batch shapes round differently
+    in the last bits (measured: up to 5e-7). Tokens are still equal because each
+    request's draw depends on its own noise, and only a near-tie could flip one. The
+    weights are still equal because the trainer recomputes the log-probs it trains on
+    (no off-policy correction here reads the rollout ones).
     """
     root = sync_run.parent
-    drivers = {
-        "async": train(root / "async", "rollout.mode=async", "rollout.max_staleness=0"),
-    }
-    results = {name: finish(d, root / name) for name, d in drivers.items()}
-    colocated = train(root / "colocated", "cluster.colocate=true")
-    results["colocated"] = finish(colocated, root / "colocated")
     want_samples, want_weights = samples(sync_run), weights(sync_run)
-    for name, result in results.items():
+    for name, overrides in {"async": ["rollout.mode=async", "rollout.max_staleness=0"],
+                            "colocated": ["cluster.colocate=true"]}.items():
+        result = finish(train(root / name, *overrides), root / name)  # one at a time: 2 cores
         assert result["steps"] == STEPS, name
+        if name == "async":  # its producer ran ahead, so the bound had groups to regenerate
+            assert result["rollout_stats"]["regenerated"].get("stale", 0) > 0, result["rollout_stats"]
         assert_same_samples(want_samples, samples(root / name))
         assert_same_weights(want_weights, weights(root / name))
 
