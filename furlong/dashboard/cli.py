@@ -26,18 +26,24 @@ def main(argv: list[str] | None = None) -> int:
         print(f"furlong dashboard: note: {a.run_dir} has no {DB_NAME} yet; the page will say so"
               + ("" if a.follow else " (use --follow to wait for a run that is starting)"), file=sys.stderr)
 
-    from furlong.dashboard.server import bind, make_server, url_of
+    import time
+
+    from furlong.dashboard.server import make_server
 
     try:
-        sock = bind(a.host, a.port)
+        server = make_server(a.run_dir, host=a.host, port=a.port, follow=a.follow)
     except OSError as e:
         print(f"furlong dashboard: {e}", file=sys.stderr)
         return 2
-    print(f"furlong dashboard: {a.run_dir} at {url_of(sock)}" + (" (following)" if a.follow else ""), flush=True)
+    print(f"furlong dashboard: {a.run_dir} at {server.url}/" + (" (following)" if a.follow else ""), flush=True)
     try:
-        make_server(a.run_dir, follow=a.follow).run(sockets=[sock])
+        server.start()
+        while server.alive():
+            time.sleep(0.5)
     except KeyboardInterrupt:
         pass
+    finally:
+        server.stop()
     return 0
 
 

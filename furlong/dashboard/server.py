@@ -15,10 +15,6 @@ endpoints when the server was started with `follow=True` (a live run).
 
 from __future__ import annotations
 
-import socket
-import threading
-import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +23,7 @@ from fastapi import Path as PathParam
 from fastapi.responses import FileResponse, JSONResponse
 from fastapi.staticfiles import StaticFiles
 
+from furlong.app_thread import AppThread
 from furlong.observe.advisories import advise
 from furlong.observe.reader import RunError, RunReader
 from furlong.observe.store import PHASES
@@ -91,53 +88,14 @@ def create_app(run_dir: str | Path, *, follow: bool = False, poll_s: float = 2.0
     return app
 
 
-@dataclass
-class DashboardHandle:
-    url: str
-    server: Any
-    thread: threading.Thread
-
-    def stop(self, timeout_s: float = 10.0) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout_s)
-
-
-def bind(host: str, port: int) -> socket.socket:
-    """A listening socket; port 0 picks a free one. Bound here so the URL is known before serving."""
-    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((host, port))
-    except OSError as e:
-        sock.close()
-        raise OSError(f"dashboard: cannot listen on {host}:{port}: {e.strerror or e}") from e
-    sock.listen(128)
-    return sock
-
-
-def url_of(sock: socket.socket) -> str:
-    host, port = sock.getsockname()[:2]
-    return f"http://{f'[{host}]' if ':' in host else host}:{port}/"
-
-
-def make_server(run_dir: str | Path, *, follow: bool = False, poll_s: float = 2.0) -> Any:
-    import uvicorn
-
-    config = uvicorn.Config(create_app(run_dir, follow=follow, poll_s=poll_s), log_level="warning", access_log=False, lifespan="off")
-    return uvicorn.Server(config)
+def make_server(run_dir: str | Path, *, host: str = "127.0.0.1", port: int = 0, follow: bool = False,
+                poll_s: float = 2.0) -> AppThread:
+    """The dashboard bound to host:port (its `url` known), not yet serving."""
+    return AppThread(create_app(run_dir, follow=follow, poll_s=poll_s), host, port, name="furlong-dashboard", lifespan="off")
 
 
 def serve_in_thread(
     run_dir: str | Path, *, host: str = "127.0.0.1", port: int = 0, follow: bool = True, poll_s: float = 2.0, timeout_s: float = 30.0
-) -> DashboardHandle:
+) -> AppThread:
     """Start the dashboard in a daemon thread of this process; returns once it answers."""
-    sock = bind(host, port)
-    server = make_server(run_dir, follow=follow, poll_s=poll_s)
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="furlong-dashboard", daemon=True)
-    thread.start()
-    deadline = time.monotonic() + timeout_s
-    while not server.started:
-        if not thread.is_alive() or time.monotonic() > deadline:
-            raise RuntimeError(f"dashboard for {run_dir} did not start on {host}:{port}")
-        time.sleep(0.02)
-    return DashboardHandle(url_of(sock), server, thread)
+    return make_server(run_dir, host=host, port=port, follow=follow, poll_s=poll_s).start(timeout_s)

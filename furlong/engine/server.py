@@ -21,6 +21,7 @@ from typing import Any, AsyncIterator
 from fastapi import FastAPI, Request as HTTPRequest
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
+from furlong.app_thread import AppThread
 from furlong.engine import protocol as P
 from furlong.engine.request import Request
 from furlong.engine.scheduler import Engine
@@ -363,39 +364,11 @@ def create_app(engine: Engine, admin_token: str | None = None) -> FastAPI:
     return app
 
 
-class ServerThread:
-    """Run the engine's HTTP server in a background thread of this process (tests, benchmarks).
+class ServerThread(AppThread):
+    """The engine's HTTP server in a thread of this process (tests, benchmarks, colocated engines).
 
-    Binds 127.0.0.1 on a free port unless told otherwise; `url` is ready when
-    the context manager enters. The engine must already be started.
+    The engine must already be started; the server starts on `start()` or `with`.
     """
 
     def __init__(self, engine: Engine, admin_token: str | None = None, host: str = "127.0.0.1", port: int = 0):
-        import socket
-
-        import uvicorn
-
-        if port == 0:
-            with socket.socket() as s:
-                s.bind((host, 0))
-                port = s.getsockname()[1]
-        self.url = f"http://{host}:{port}"
-        cfg = uvicorn.Config(create_app(engine, admin_token), host=host, port=port, log_level="warning", access_log=False)
-        self.server = uvicorn.Server(cfg)
-        self.thread = None
-
-    def __enter__(self) -> "ServerThread":
-        import threading
-
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.thread.start()
-        deadline = time.time() + 30
-        while not self.server.started:
-            if time.time() > deadline or not self.thread.is_alive():
-                raise RuntimeError("engine HTTP server did not start")
-            time.sleep(0.02)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=10)
+        super().__init__(create_app(engine, admin_token), host, port, name="furlong-engine")

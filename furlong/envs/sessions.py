@@ -47,7 +47,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import threading
 import time
 import uuid
 from collections import Counter
@@ -58,6 +57,7 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
+from furlong.app_thread import AppThread
 from furlong.envs.chat import append_runs, suffix_ids
 from furlong.envs.tools import parse_tool_calls
 from furlong.rollout.client import EngineError
@@ -462,39 +462,13 @@ async def _stream(resp: dict[str, Any], body: dict[str, Any]):
     yield "data: [DONE]\n\n"
 
 
-class ServerThread:
-    """Serve a `SessionServer` from a background thread of this process (tests, an in-process driver)."""
+class ServerThread(AppThread):
+    """Serve a `SessionServer` from a thread of this process (tests, an in-process driver)."""
 
     def __init__(self, server: SessionServer, host: str = "127.0.0.1", port: int = 0):
-        import socket
-
-        import uvicorn
-
-        if port == 0:
-            with socket.socket() as s:
-                s.bind((host, 0))
-                port = s.getsockname()[1]
-        self.url = f"http://{host}:{port}"
+        super().__init__(server.app(), host, port, name="furlong-sessions")
         self.server = server
-        self._uvicorn = uvicorn.Server(uvicorn.Config(server.app(), host=host, port=port, log_level="warning",
-                                                      access_log=False))
-        self._thread: threading.Thread | None = None
 
     def session_url(self, sid: str) -> str:
         """The `base_url` an OpenAI client uses for session `sid`."""
         return f"{self.url}/sessions/{sid}/v1"
-
-    def __enter__(self) -> "ServerThread":
-        self._thread = threading.Thread(target=self._uvicorn.run, daemon=True)
-        self._thread.start()
-        deadline = time.time() + 30
-        while not self._uvicorn.started:
-            if time.time() > deadline or not self._thread.is_alive():
-                raise RuntimeError("session server did not start")
-            time.sleep(0.02)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._uvicorn.should_exit = True
-        if self._thread is not None:
-            self._thread.join(timeout=10)

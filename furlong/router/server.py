@@ -46,13 +46,9 @@ import asyncio
 import json
 import logging
 import secrets
-import socket
-import threading
-import time
 from collections import Counter
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
@@ -61,6 +57,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from furlong.app_thread import AppThread
 from furlong.router.health import HEALTHY, Engine, EnginePool, normalize_url
 from furlong.router.policies import Policy, derive_session_key
 
@@ -422,41 +419,14 @@ def _response_headers(resp: aiohttp.ClientResponse, engine: Engine) -> dict[str,
     return headers
 
 
-@dataclass
-class RouterHandle:
-    """A router serving in a background thread; ``stop()`` (or leaving ``with``) ends it."""
+class RouterHandle(AppThread):
+    """A router serving in a thread of this process; ``stop()`` (or leaving ``with``) ends it."""
 
-    url: str
-    router: Router
-    _server: Any
-    _thread: threading.Thread
-
-    def stop(self, timeout: float = 10.0) -> None:
-        self._server.should_exit = True
-        self._thread.join(timeout)
-
-    def __enter__(self) -> "RouterHandle":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
+    def __init__(self, router: Router, host: str = "127.0.0.1", port: int = 0):
+        super().__init__(router.app, host, port, name="furlong-router")
+        self.router = router
 
 
 def serve_in_thread(engines: list[str], port: int = 0, host: str = "127.0.0.1", **router_kwargs: Any) -> RouterHandle:
     """Start a router in this process (port 0 picks a free one) and return once it serves."""
-    import uvicorn
-
-    router = Router(engines, **router_kwargs)
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
-    server = uvicorn.Server(uvicorn.Config(router.app, log_level="warning", access_log=False))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="furlong-router", daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 60
-    while not server.started:
-        if not thread.is_alive() or time.monotonic() > deadline:
-            sock.close()
-            raise RuntimeError("router failed to start (see the log above)")
-        time.sleep(0.01)
-    return RouterHandle(f"http://{host}:{sock.getsockname()[1]}", router, server, thread)
+    return RouterHandle(Router(engines, **router_kwargs), host, port).start(timeout_s=60)

@@ -65,7 +65,7 @@ def page(browser):
 
 
 def open_view(page, url: str, route: str) -> None:
-    page.goto(f"{url}#/{route}")
+    page.goto(f"{url}/#/{route}")
     settle(page)
 
 
@@ -127,14 +127,14 @@ def test_rollouts_table_sorts_filters_and_groups(page, run):
     assert rewards == sorted(rewards, reverse=True) and len(rewards) == total
     page.select_option("#f-status", "truncated")
     settle(page, "status=truncated")
-    api = httpx.get(url + "api/samples", params={"status": "truncated"}).json()
+    api = httpx.get(url + "/api/samples", params={"status": "truncated"}).json()
     statuses = page.locator("tr.sample-row").evaluate_all("els => els.map(e => e.dataset.status)")
     assert statuses == ["truncated"] * api["total"] and api["total"] > 0
 
     open_view(page, url, "rollouts?mode=groups")
     rows = page.locator("tr.group-row")
     assert rows.count() == STEPS * GROUPS
-    api_groups = httpx.get(url + "api/groups").json()["groups"]
+    api_groups = httpx.get(url + "/api/groups").json()["groups"]
     assert rows.evaluate_all("els => els.map(e => e.dataset.zero === 'true')") == [g["zero_variance"] for g in api_groups]
     shot(page, "groups")
     page.click('tr.group-row[data-step="2"][data-group="1"]')
@@ -144,7 +144,7 @@ def test_rollouts_table_sorts_filters_and_groups(page, run):
 
 def test_sample_token_view_shows_every_token_and_its_provenance(page, run):
     run_dir, w, url = run
-    rows = httpx.get(url + "api/samples", params={"step": 2, "limit": 100}).json()["rows"]
+    rows = httpx.get(url + "/api/samples", params={"step": 2, "limit": 100}).json()["rows"]
     tool = next(r for r in rows if r["trained_tokens"] < r["response_length"])  # has a tool segment
     mixed = next(r for r in rows if r["version_min"] != r["version_max"])  # partial rollout across a sync
     length = dict(w["samples"][2])[tool["idx"]]
@@ -192,7 +192,7 @@ def test_engines_show_health_queue_and_throughput(page, run):
 def test_advisories_match_the_api(page, run):
     run_dir, w, url = run
     open_view(page, url, "advisories")
-    api = httpx.get(url + "api/advisories").json()["advisories"]
+    api = httpx.get(url + "/api/advisories").json()["advisories"]
     kinds = page.locator(".advisory").evaluate_all("els => els.map(e => e.dataset.kind)")
     assert kinds == [a["kind"] for a in api] and "zero-variance" in kinds
     shot(page, "advisories")

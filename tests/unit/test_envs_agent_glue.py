@@ -145,3 +145,19 @@ def test_calculator_demonstrations(tmp_path):
         assert d["tools"] == template_tools([CALCULATOR_TOOL])
     with pytest.raises(ValueError, match="flawed"):
         write_demonstrations(tmp_path / "x.jsonl", 1, flawed=2.0)
+
+
+def test_driver_warmup_reads_conversation_demonstrations(tmp_path, tok):
+    """`data.sft_path` with whole conversations: the driver's warm-up samples are `conversation_sample`s."""
+    from furlong.config import load_config
+    from furlong.train.run import sft_samples, sft_source
+
+    path = write_demonstrations(tmp_path / "d.jsonl", 8, seed=2, flawed=0.5)
+    cfg = load_config(None, [f"data.sft_path={path}", "data.task=calculator"])
+    prompts = sft_source(cfg, None).next_batch(8)
+    got = sft_samples(prompts, tok, chat=True)
+    demos = {json.dumps(d["messages"][0]): d for d in map(json.loads, path.read_text().splitlines())}
+    for p, s in zip(prompts, got):
+        d = demos[json.dumps(p.prompt[0])]
+        want = conversation_sample(tok, d["messages"], d["tools"])
+        assert s.tokens == want.tokens and s.loss_mask == want.loss_mask and s.validate()
