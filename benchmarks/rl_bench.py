@@ -87,15 +87,17 @@ def steady_state(rows: list[dict[str, Any]], warmup: int) -> dict[str, float]:
             "other_s": step_s - sum(parts.values()), "response_len_mean": mean("rollout/response_len_mean")}
 
 
-def run_furlong(work: Work, mode: str, run_dir: Path | None = None) -> dict[str, float]:
-    """Run furlong in `mode` on `work` in this process tree and return its steady-state figures."""
+def run_furlong(work: Work, mode: str, run_dir: Path | None = None, extra: tuple[str, ...] = ()) -> dict[str, float]:
+    """Run furlong in `mode` on `work` in this process tree and return its steady-state figures.
+
+    `extra`: more `key=value` overrides, for trying a setting on the same work (e.g. `train.micro_batch_tokens=512`)."""
     from furlong.config import load_config
     from furlong.train.run import Run
 
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     run_dir = Path(run_dir or tempfile.mkdtemp(prefix=f"furlong-bench-{mode}-"))
-    cfg = load_config(None, furlong_overrides(work, mode, run_dir))
+    cfg = load_config(None, [*furlong_overrides(work, mode, run_dir), *extra])
     asyncio.run(Run(cfg, progress=False).run())
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     return steady_state(rows, work.warmup)
