@@ -123,6 +123,7 @@ def furlong_argv(*args: str) -> list[str]:
 
 
 REAPER_MARK = "FURLONG_REAP_MARK"
+_REAPER_PIPES: list[int] = []  # write ends, open until this process ends: their EOF tells each reaper
 
 
 def reaper_mark() -> str:
@@ -146,15 +147,21 @@ def start_reaper(mark: str, session_dir: str) -> None:
     subprocess.Popen([sys.executable, "-c", f"from furlong.cluster.processes import reap; reap({mark!r}, {session_dir!r})"],
                      stdin=read_end, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     os.close(read_end)
-    start_reaper.pipes = [*getattr(start_reaper, "pipes", []), write_end]  # type: ignore[attr-defined]  # open until exit
+    _REAPER_PIPES.append(write_end)
 
 
 def _marked(pid: str, needle: bytes, session_dir: str) -> bool:
+    def under_session(fd: str) -> bool:
+        try:
+            return os.readlink(f"/proc/{pid}/fd/{fd}").startswith(session_dir)
+        except OSError:  # closed meanwhile
+            return False
+
     try:
         with open(f"/proc/{pid}/environ", "rb") as f:
             if needle in f.read().split(b"\0"):
                 return True
-        return any(os.readlink(f"/proc/{pid}/fd/{fd}").startswith(session_dir) for fd in os.listdir(f"/proc/{pid}/fd"))
+        return any(map(under_session, os.listdir(f"/proc/{pid}/fd")))
     except OSError:  # gone, or not ours to read
         return False
 

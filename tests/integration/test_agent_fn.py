@@ -12,11 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
-import os
-import socket
-import subprocess
 import sys
-import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -24,10 +20,11 @@ import httpx
 import pytest
 import torch
 
+from tests.helpers import engine_process
 from furlong.config.schema import RolloutConfig
 from furlong.data import CALCULATOR_TOOL, TASKS, DataSource
 from furlong.envs import agent as agent_glue
-from furlong.models import create_model, load_tokenizer
+from furlong.models import load_tokenizer
 from furlong.rollout.client import EngineClient
 from furlong.rollout.generate import RolloutContext, encode_prompt
 from furlong.rollout.manager import RolloutManager
@@ -38,30 +35,8 @@ EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "agent_openai_clien
 
 @pytest.fixture(scope="module")
 def engine():
-    path = create_model("qwen3", "tiny")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "furlong.cli", "serve", "--model", str(path), "--port", str(port),
-           "--admin-token", "agent-test", "--threads", "1", "--kv-cache-mb", "16"]
-    proc = subprocess.Popen(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.time() + 120
-        while True:
-            try:
-                if httpx.get(url + "/health").status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert proc.poll() is None, proc.stderr.read().decode()
-            assert time.time() < deadline, "furlong serve did not become healthy"
-            time.sleep(0.1)
+    with engine_process("agent-test") as (url, path):
         yield url, path
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
 
 
 @pytest.fixture(scope="module")

@@ -25,10 +25,11 @@ import pytest
 import torch
 from openai import OpenAI
 
+from tests.helpers import engine_process
 from furlong.data import CALCULATOR_TOOL
 from furlong.envs.multiturn import generate
 from furlong.envs.sessions import ServerThread, SessionServer
-from furlong.models import create_model, load_tokenizer
+from furlong.models import load_tokenizer
 from furlong.rollout.client import EngineClient
 from furlong.rollout.generate import RolloutContext, encode_prompt
 from furlong.rollout.sample import Sample, Source, Status
@@ -58,18 +59,8 @@ def wait_healthy(url: str, proc: subprocess.Popen, what: str) -> None:
 
 @pytest.fixture(scope="module")
 def engine():
-    path = create_model("qwen3", "tiny")
-    port = free_port()
-    cmd = [sys.executable, "-m", "furlong.cli", "serve", "--model", str(path), "--port", str(port),
-           "--admin-token", TOKEN, "--threads", "1", "--kv-cache-mb", "16"]
-    proc = subprocess.Popen(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_healthy(url, proc, "furlong serve")
+    with engine_process(TOKEN) as (url, path):
         yield url, path
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
 
 
 @pytest.fixture(scope="module")

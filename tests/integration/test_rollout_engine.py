@@ -9,19 +9,15 @@ weight sync resumes from its tokens so far, keeping their log-probs and versions
 from __future__ import annotations
 
 import asyncio
-import os
-import socket
-import subprocess
-import sys
-import time
 from dataclasses import dataclass, field
 
 import httpx
 import pytest
 import torch
 
+from tests.helpers import engine_process
 from furlong.data import TASKS, DataSource
-from furlong.models import create_model, load_tokenizer
+from furlong.models import load_tokenizer
 from furlong.rollout.client import EngineClient
 from furlong.rollout.generate import generate
 from furlong.rollout.manager import RolloutManager
@@ -50,29 +46,8 @@ class Cfg:
 
 @pytest.fixture(scope="module")
 def server():
-    path = create_model("qwen3", "tiny")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "furlong.cli", "serve", "--model", str(path), "--port", str(port), "--admin-token", TOKEN, "--threads", "1", "--kv-cache-mb", "16"]
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.time() + 120
-        while True:
-            try:
-                if httpx.get(url + "/health").status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert proc.poll() is None, proc.stderr.read().decode()
-            assert time.time() < deadline, "furlong serve did not become healthy"
-            time.sleep(0.1)
+    with engine_process(TOKEN) as (url, path):
         yield url, path
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
 
 
 @pytest.fixture(scope="module")
