@@ -9,7 +9,7 @@ weight sync resumes from its tokens so far, keeping their log-probs and versions
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass, field
+
 
 import httpx
 import pytest
@@ -18,6 +18,7 @@ import torch
 from tests.helpers import engine_process
 from furlong.data import TASKS, DataSource
 from furlong.models import load_tokenizer
+from furlong.config.schema import RolloutConfig
 from furlong.rollout.client import EngineClient
 from furlong.rollout.generate import generate
 from furlong.rollout.manager import RolloutManager
@@ -26,22 +27,9 @@ from furlong.rollout.sample import Status
 TOKEN = "rollout-test-token"
 
 
-@dataclass
-class Cfg:
-    mode: str = "sync"
-    rollout_batch_size: int = 2
-    n_samples_per_prompt: int = 4
-    over_sampling: float = 1.0
-    max_staleness: int = 0
-    stale_policy: str = "retry"
-    max_buffer_groups: int | None = None
-    partial_rollout: bool = False
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    max_new_tokens: int = 16
-    stop: list[str] = field(default_factory=list)
-    dynamic_filter: bool = False
+def Cfg(**kw):
+    """The real `rollout` config section, with this file's small defaults."""
+    return RolloutConfig(**{"rollout_batch_size": 2, "max_new_tokens": 16, **kw})
 
 
 @pytest.fixture(scope="module")

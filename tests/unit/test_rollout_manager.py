@@ -4,40 +4,21 @@ from __future__ import annotations
 
 import asyncio
 import json
-from dataclasses import dataclass, field, replace
+
 
 import pytest
 from rollout_fake_engine import CharTokenizer, FakeEngine
 
 from furlong.data import DataSource, Prompt
+from furlong.config.schema import RolloutConfig
 from furlong.rollout.client import EngineClient
 from furlong.rollout.manager import RolloutExhausted, RolloutManager
 from furlong.rollout.sample import Status
 
 
-@dataclass
-class Cfg:
-    mode: str = "sync"
-    rollout_batch_size: int = 3
-    n_samples_per_prompt: int = 4
-    over_sampling: float = 1.0
-    max_staleness: int = 0
-    stale_policy: str = "retry"
-    max_buffer_groups: int | None = None
-    partial_rollout: bool = False
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    max_new_tokens: int = 12
-    stop: list[str] = field(default_factory=list)
-    dynamic_filter: bool = False
-    eval_every: int = 0
-    eval_n_samples: int = 4
-    generate_fn: str | None = None
-    reward_fn: str | None = None
-    group_reward_fn: str | None = None
-    dynamic_filter_fn: str | None = None
-    sample_filter_fn: str | None = None
+def Cfg(**kw):
+    """The real `rollout` config section, with this file's small defaults."""
+    return RolloutConfig(**{"rollout_batch_size": 3, "max_new_tokens": 12, "eval_n_samples": 4, **kw})
 
 
 def make_prompts(n: int = 40, labels: tuple[str, ...] = ("mixed",)) -> list[Prompt]:
@@ -474,8 +455,8 @@ def test_exhausted_data_source_and_bad_config():
             await mgr.next_batch(1)
         await mgr.close()
         with pytest.raises(ValueError, match="rollout.mode"):
-            RolloutManager(replace(Cfg(), mode="fast"), source, client)
+            RolloutManager(Cfg().model_copy(update={"mode": "fast"}), source, client)
         with pytest.raises(ValueError, match="rollout.reward_fn"):
-            RolloutManager(replace(Cfg(), reward_fn="no_such_module:fn"), source, client)
+            RolloutManager(Cfg().model_copy(update={"reward_fn": "no_such_module:fn"}), source, client)
 
     asyncio.run(main())
