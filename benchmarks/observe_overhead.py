@@ -1,117 +1,98 @@
-"""Event-store overhead: the same short training workload with the store on and off, side by side.
+"""Event-store overhead: the same short `furlong train` run with `observe.event_store` on and off, side by side.
 
-The workload is synthetic but has the shape of a real training step (the full RL
-driver, `furlong train`, did not record events yet when this was written): per step,
-a real forward + backward + AdamW step of the locally built qwen3 `small` model
-(3.4M parameters) on `--train-batch` sequences of `--tokens` tokens (a micro-batch:
-kept small so the run is short), then the writes a whole step makes — `--samples`
-samples with per-token provenance (train log-probs,
-advantages), ~40 metrics, engine metrics and ~30 spans. "Off" is
-`EventStore(enabled=False)` (the same calls, no queue, no thread, no file). Runs
-alternate off/on to spread machine noise, and the median step time of each is compared.
+Each run is a real `furlong train` subprocess (Ray, trainer, engine, router) on the
+debug recipe's tiny qwen3 model, in sync mode (the least noisy), with a step
+enlarged to `--prompts` × `--samples` samples of `--tokens` new tokens so each step
+records a realistic amount: every sample with per-token provenance, ~60 metrics,
+the driver's and trainer's spans. "off" is `observe.event_store=false`: the same
+calls, no queue, no writer thread, no file (metrics.jsonl is written either way).
 
-Also printed: the caller-side cost of each call (what the trainer thread pays) and
-whether any event was dropped.
+What is timed: the driver writes one `metrics.jsonl` line per step, stamped with
+the wall clock; a step's time is the gap between its line and the previous one, so
+it covers the whole loop (rollout, reward, train, weight sync, recording, eval
+when asked). Start-up and the first `--warmup` steps are left out. Runs alternate
+off/on (then on/off) to spread machine noise; the medians over all kept steps of
+each setting are compared. The tiny model makes a step short (well under a
+second), so the store's cost is as large a share of it as it gets: an upper bound
+for bigger models.
 
-    python benchmarks/observe_overhead.py [--steps 12] [--samples 64] [--tokens 128] [--threads 2]
+    python benchmarks/observe_overhead.py [--reps 3] [--steps 8] [--warmup 2]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
-import random
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+ROOT = Path(__file__).resolve().parents[1]
+
+
+PARTS = {"rollout": "time/rollout_wait_s", "train": "time/train_s", "sync": "weight_sync/seconds"}
+
+
+def run_once(run_dir: Path, store: bool, a: argparse.Namespace) -> tuple[list[float], list[dict]]:
+    """One `furlong train` run: the wall time of each step after the warm-up, and those steps' metrics."""
+    args = [
+        str(ROOT / "recipes" / "debug.yaml"), f"run_dir={run_dir}", "rollout.mode=sync",
+        f"train.total_steps={a.steps}", f"rollout.rollout_batch_size={a.prompts}",
+        f"rollout.n_samples_per_prompt={a.samples}", f"rollout.max_new_tokens={a.tokens}",
+        f"observe.event_store={str(store).lower()}", "observe.tensorboard=false", "train.checkpoint_every=0",
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": str(a.threads)}
+    done = subprocess.run([sys.executable, "-m", "furlong.cli", "train", *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=900)
+    if done.returncode != 0:
+        raise SystemExit(f"furlong train failed ({done.returncode}):\n{done.stderr[-4000:]}")
+    if (run_dir / "events.sqlite").exists() != store:
+        raise SystemExit(f"{run_dir}: events.sqlite {'missing' if store else 'written'} with observe.event_store={store}")
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    if len(rows) != a.steps:
+        raise SystemExit(f"{run_dir}: {len(rows)} metrics lines for {a.steps} steps")
+    stamps = [r["time"] for r in rows]
+    return [b - t for t, b in zip(stamps, stamps[1:])][a.warmup - 1:], rows[a.warmup:]
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--steps", type=int, default=20, help="steps per configuration (half with the store on)")
-    p.add_argument("--samples", type=int, default=64, help="samples recorded per step")
-    p.add_argument("--train-batch", type=int, default=8, help="sequences in the forward/backward")
-    p.add_argument("--tokens", type=int, default=128, help="response tokens per sample")
+    p.add_argument("--reps", type=int, default=3, help="runs per setting (alternating off/on)")
+    p.add_argument("--steps", type=int, default=8, help="RL steps per run")
+    p.add_argument("--warmup", type=int, default=2, help="first steps of each run left out")
+    p.add_argument("--prompts", type=int, default=8, help="rollout.rollout_batch_size")
+    p.add_argument("--samples", type=int, default=4, help="rollout.n_samples_per_prompt")
+    p.add_argument("--tokens", type=int, default=32, help="rollout.max_new_tokens")
     p.add_argument("--threads", type=int, default=2)
     a = p.parse_args()
-    os.environ.setdefault("OMP_NUM_THREADS", str(a.threads))
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from furlong.models import create_model
-    from furlong.observe.store import EventStore
-    from furlong.observe.synthetic import make_group
-
-    torch.set_num_threads(a.threads)
-    path = create_model("qwen3", "small")
-    model = AutoModelForCausalLM.from_pretrained(path)
-    tok = AutoTokenizer.from_pretrained(path)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
-    ids = torch.randint(3, 500, (a.train_batch, a.tokens + 16))
-    rng = random.Random(0)
-    group_size = 8
-    samples = [s for g in range(a.samples // group_size) for s in make_group(1, g, group_size, 1, rng, None)]
-    for s in samples:  # pad every response to --tokens policy tokens, as a real step of this shape would have
-        extra = a.tokens - s.response_length
-        if extra > 0:
-            s.append([rng.randrange(3, 500) for _ in range(extra)], logprobs=[-rng.uniform(0.01, 3) for _ in range(extra)], version=1)
-    train_lp = [[x - 0.01 for x in s.rollout_logprobs] for s in samples]
-    adv = [rng.gauss(0, 1) for _ in samples]
-    metric_names = [f"policy/m{i}" for i in range(40)]
-
-    def step(store: EventStore, n: int, call_times: dict[str, list[float]]) -> float:
-        t0 = time.perf_counter()
-        with store.span("trainer/0", "forward-backward", n, device="cpu:0"):
-            out = model(input_ids=ids, labels=ids).loss
-            out.backward()
-            loss = float(out.detach())
-        with store.span("trainer/0", "optimiser", n, device="cpu:0"):
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-        c = time.perf_counter()
-        store.samples(n, samples, train_logprobs=train_lp, advantages=adv, version=n)
-        call_times["samples"].append(time.perf_counter() - c)
-        c = time.perf_counter()
-        store.metrics(n, {k: loss + i for i, k in enumerate(metric_names)})
-        call_times["metrics"].append(time.perf_counter() - c)
-        now = time.time()
-        c = time.perf_counter()
-        for w in ("engine/0", "engine/1", "driver", "trainer/1"):
-            for ph in ("generate", "reward", "ref-logprob", "weight-sync", "idle", "eval", "optimiser"):
-                store.record_span(w, ph, n, now - 0.1, now, device="cpu")
-        call_times["28 spans"].append(time.perf_counter() - c)
-        for e in range(2):
-            store.metrics(n, {f"engine/{e}/queue": 3, f"engine/{e}/tokens_per_s": 900.0, f"engine/{e}/healthy": 1.0})
-        return time.perf_counter() - t0
-
+    if not 1 <= a.warmup < a.steps:
+        raise SystemExit("--warmup must be at least 1 and less than --steps")
+    times: dict[str, list[float]] = {"off": [], "on": []}
+    parts: dict[str, list[dict]] = {"off": [], "on": []}
+    load = [os.getloadavg()[0]]
+    t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
-        on = EventStore(Path(tmp) / "run", tokenizer=tok)
-        off = EventStore(Path(tmp) / "off", enabled=False)
-        times: dict[str, list[float]] = {"off": [], "on": []}
-        calls: dict[str, dict[str, list[float]]] = {k: {"samples": [], "metrics": [], "28 spans": []} for k in times}
-        step(off, 0, calls["off"])  # warm-up: first backward, allocator
-        for n in range(1, a.steps + 1):
-            for name, store in (("off", off), ("on", on)) if n % 2 else (("on", on), ("off", off)):
-                times[name].append(step(store, n, calls[name]))
-        t = time.perf_counter()
-        on.flush()
-        drain = time.perf_counter() - t
-        on.close()
-        size = (Path(tmp) / "run" / "events.sqlite").stat().st_size
-
+        for rep in range(a.reps):
+            for name in ("off", "on") if rep % 2 == 0 else ("on", "off"):
+                kept, rows = run_once(Path(tmp) / f"{name}-{rep}", name == "on", a)
+                times[name] += kept
+                parts[name] += rows
+                load.append(os.getloadavg()[0])
+                print(f"rep {rep} store {name:<3}: median step {statistics.median(kept) * 1e3:7.1f} ms over {len(kept)} steps",
+                      flush=True)
     med = {k: statistics.median(v) for k, v in times.items()}
-    print(f"workload: qwen3 small fwd+bwd+AdamW on {a.train_batch}x{a.tokens + 16} tokens; writes per step: "
-          f"{len(samples)} samples x {a.tokens} tokens, 46 metrics, 30 spans; {a.steps} steps each; {a.threads} threads")
-    print(f"{'store':<6} {'median step':>12} {'samples()':>11} {'metrics()':>11} {'28 spans':>10}")
+    print(f"workload: recipes/debug.yaml (qwen3 tiny), sync, {a.prompts}x{a.samples} samples x {a.tokens} new tokens "
+          f"per step, {a.steps} steps ({a.warmup} warm-up) x {a.reps} runs per setting, {a.threads} threads; "
+          f"{time.perf_counter() - t0:.0f}s; 1-min load average {min(load):.1f}-{max(load):.1f}")
     for k in ("off", "on"):
-        c = {n: statistics.median(v) * 1e6 for n, v in calls[k].items()}
-        print(f"{k:<6} {med[k] * 1e3:>10.1f}ms {c['samples']:>9.0f}µs {c['metrics']:>9.0f}µs {c['28 spans']:>8.0f}µs")
+        print(f"store {k:<3}: median step {med[k] * 1e3:.1f} ms (n={len(times[k])}, "
+              f"quartiles {statistics.quantiles(times[k], n=4)[0] * 1e3:.1f}-{statistics.quantiles(times[k], n=4)[2] * 1e3:.1f} ms); "
+              + ", ".join(f"{part} {statistics.median(r[key] for r in parts[k]) * 1e3:.1f}" for part, key in PARTS.items()) + " ms")
     print(f"overhead ratio (on/off, median step): {med['on'] / med['off']:.3f}x")
-    print(f"events dropped: {on.dropped}; written: {on.written}; final flush waited {drain * 1e3:.1f}ms; events.sqlite {size / 1e6:.2f} MB")
 
 
 if __name__ == "__main__":

@@ -96,7 +96,10 @@ def run_furlong(work: Work, mode: str, run_dir: Path | None = None, extra: tuple
 
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-    run_dir = Path(run_dir or tempfile.mkdtemp(prefix=f"furlong-bench-{mode}-"))
+    if run_dir is None:  # a throw-away run: its checkpoint alone is hundreds of MB at m25
+        with tempfile.TemporaryDirectory(prefix=f"furlong-bench-{mode}-") as tmp:
+            return run_furlong(work, mode, Path(tmp), extra)
+    run_dir = Path(run_dir)
     cfg = load_config(None, [*furlong_overrides(work, mode, run_dir), *extra])
     asyncio.run(Run(cfg, progress=False).run())
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]

@@ -5,7 +5,9 @@ the same pool of chat prompts from the synthetic `arithmetic` task, 8 prompts pe
 group size 8 = 64 samples per optimiser step, every completion exactly 64 tokens (TRL:
 `min_new_tokens = max_completion_length = 64`; furlong: `ignore_eos` with
 `max_new_tokens = 64`), temperature 1, AdamW at the same constant learning rate, grad clip
-1.0, no KL term (TRL `beta=0`, furlong `kl_coef=0`), one optimiser step per rollout batch.
+1.0, no KL term (TRL `beta=0`, furlong `kl_coef=0`), one optimiser step per rollout batch
+(TRL: one `[64, T]` micro-batch; furlong: its default packing). The loss reductions differ
+(TRL's default `dapo` token mean, furlong GRPO's sample mean) at the same compute.
 Both run in this process tree on the same number of cores (`--threads`: TRL's torch threads;
 furlong's `cluster.num_cpus`, which its topology divides among engine and trainer).
 

@@ -90,6 +90,8 @@ class TrainerActor:
                 out["advantages"] = [batch.advantages[i, : n[i]].tolist() for i in range(len(n))]
             if batch.old_logprobs is not None:
                 out["train_logprobs"] = [batch.old_logprobs[i, : n[i]].tolist() for i in range(len(n))]
+            elif all(id(s) in self.trainer.seen_logprobs for s in batch.samples):  # rank 0 saw every sample
+                out["train_logprobs"] = [self.trainer.seen_logprobs[id(s)] for s in batch.samples]
         return out
 
     def sft_step(self, samples: list) -> dict[str, float]:

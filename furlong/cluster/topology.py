@@ -72,17 +72,26 @@ class Topology:
 
     @classmethod
     def start(cls, cfg: Any, run_dir: Path, model_dir: str, admin_token: str) -> "Topology":
+        top = cls(cfg, run_dir, admin_token)
+        try:
+            top._launch(model_dir)
+        except BaseException:
+            top.shutdown()  # a half-started topology must not keep its actors and bundles (shared Ray, auto-restart)
+            raise
+        return top
+
+    def _launch(self, model_dir: str) -> None:
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         from furlong.cluster.actors import ProcessActor, TrainerActor
 
+        top, cfg, run_dir, admin_token = self, self.cfg, self.run_dir, self.admin_token
         ws, ne = cfg.train.world_size, cfg.engine.num_engines
         colocate = cfg.cluster.colocate
         gpu = 1 if (cfg.cluster.num_gpus or 0) > 0 else 0
         n_bundles = ws + (0 if colocate else ne)
         init_ray(cfg, n_bundles)  # no-op when the driver already started Ray in its main thread
-        top = cls(cfg, run_dir, admin_token)
         bundle = {"CPU": 1, **({"GPU": gpu} if gpu else {})}
         top.placement = placement_group([dict(bundle) for _ in range(n_bundles)], strategy="PACK")
         ray.get(top.placement.ready(), timeout=120)
@@ -107,7 +116,7 @@ class Topology:
                 port = e.port_base + i if e.port_base else free_port()
                 argv = furlong_argv("serve", "--model", model_dir, "--host", e.host, "--port", str(port),
                                     "--dtype", e.dtype, "--kv-cache-mb", str(e.kv_cache_mb),
-                                    "--max-running", str(e.max_running), "--admin-token", admin_token,
+                                    "--max-running", str(e.max_running), f"--admin-token={admin_token}",
                                     "--threads", str(threads))
                 actor = ProcessActor.options(**at(ws + i, num_cpus=1, num_gpus=gpu)).remote(
                     f"engine-{i}", argv, port, str(logs / f"engine-{i}.log"), threads)
@@ -117,12 +126,11 @@ class Topology:
         r = cfg.router
         port = r.port or free_port()
         argv = furlong_argv("router", *sum((["--engine", u] for u in top.engine_urls), []), "--host", r.host,
-                            "--port", str(port), "--policy", r.policy, "--admin-token", admin_token,
+                            "--port", str(port), "--policy", r.policy, f"--admin-token={admin_token}",
                             "--health-interval", str(r.health_interval_s), "--health-timeout", str(r.health_timeout_s),
                             "--unhealthy-after", str(r.unhealthy_after), "--max-retries", str(r.max_retries))
         top.router = ProcessActor.options(num_cpus=0).remote("router", argv, port, str(logs / "router.log"), 1)
         top.router_url = ray.get(top.router.start.remote())
-        return top
 
     # ---- trainer group: every rank gets the same call; rank 0's answer is returned
     # A rank whose process died raises TrainerDied (see cluster/supervisor.py).

@@ -189,7 +189,7 @@ class TrainConfig(Section):
     lr_schedule: Literal["constant", "cosine", "linear"] = "constant"  # after linear warm-up
     warmup_steps: int = Field(0, ge=0)  # optimiser steps
     total_steps: int = Field(100, ge=1)  # RL steps (one rollout batch each)
-    micro_batch_tokens: int = Field(4096, ge=1)  # token budget of one packed micro-batch
+    micro_batch_tokens: int = Field(512, ge=1)  # token budget of one packed micro-batch (attention is quadratic in it)
     global_batch_size: int = Field(16, ge=1)  # samples per optimiser step
     num_steps_per_rollout: int = Field(1, ge=1)  # optimiser steps per rollout batch
     dtype: Literal["float32", "bfloat16"] = "float32"  # parameter dtype in training

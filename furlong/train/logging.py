@@ -109,13 +109,16 @@ class MetricLog:
 
     def samples(self, step: int, batch: list[Any], trained: dict[str, Any], version: int) -> None:
         """The trained samples of a step: `samples/step_<n>.jsonl` (exact tokens, one JSON per line)
-        and the event store (with the trainer's log-probs and advantages per token)."""
+        and the event store (with the trainer's log-probs and advantages per token).
+
+        `step` counts from 0 (the file names); the store numbers the step `step + 1`, as
+        `metrics.jsonl` and the driver's spans do, so the dashboard sees one step number."""
         out = self.run_dir / "samples"
         out.mkdir(exist_ok=True)
         with open(out / f"step_{step}.jsonl", "w") as f:
             for s in batch:
                 f.write(s.to_json() + "\n")
-        self.store.samples(step, batch, train_logprobs=trained.get("train_logprobs"),
+        self.store.samples(step + 1, batch, train_logprobs=trained.get("train_logprobs"),
                            advantages=trained.get("advantages"), version=version)
 
     def state_dict(self) -> dict[str, Any]:

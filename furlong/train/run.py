@@ -253,21 +253,22 @@ class Run:
         with self.log.progress("RL", total, start=self.step) as advance:
             while self.step < total:
                 step = self.step
+                n = step + 1  # the step's number in the event store and metrics.jsonl: 1..total
                 t0 = time.perf_counter()
                 span = self.log.store.span
-                with span("driver", "generate", step):
+                with span("driver", "generate", n):
                     batch = await self.manager.next_batch(step)
                 if self.reward_post_fn is not None:  # reward shaping over the whole batch
                     for s, r in zip(batch, self.reward_post_fn(batch), strict=True):
                         s.reward = float(r)
                 t_gen = time.perf_counter()
                 trained = await self.top.acall("train_rollout", batch, step)
-                self.log.store.record_span("trainer/0", "forward-backward", step, *trained["span"], device="cpu:0")
+                self.log.store.record_span("trainer/0", "forward-backward", n, *trained["span"], device="cpu:0")
                 per_opt = trained["metrics"]
                 check_finite(per_opt, cfg.train.max_nonfinite_steps, step, self.log.note)  # stops after N NaN/inf in a row
                 t_train = time.perf_counter()
                 await self.manager.before_weight_sync()
-                with span("driver", "weight-sync", step):
+                with span("driver", "weight-sync", n):
                     sync = await self._sync_weights(step + 1)
                 self.step = step + 1
                 if every and self.step % every == 0 and self.step < total:
@@ -280,8 +281,10 @@ class Run:
                 metrics.update({"time/rollout_wait_s": t_gen - t0, "time/train_s": t_train - t_gen,
                                 "time/step_s": time.perf_counter() - t0,
                                 "perf/samples_per_s": len(batch) / (time.perf_counter() - t0)})
+                t_eval = time.time()
                 ev = await self.manager.maybe_evaluate(step)
                 if ev:
+                    self.log.store.record_span("driver", "eval", n, t_eval, time.time())
                     metrics.update(ev)
                 self.log.write(self.step, metrics)
                 advance(self.log.summary(self.step, metrics))

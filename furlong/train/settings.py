@@ -33,7 +33,7 @@ class TrainerConfig:
     lr_schedule: str = "constant"  # constant | cosine | linear
     warmup_steps: int = 0
     total_steps: int = 0
-    micro_batch_tokens: int = 4096
+    micro_batch_tokens: int = 512
     global_batch_size: int = 0
     num_steps_per_rollout: int = 1
     dtype: str = "float32"  # float32 | bfloat16

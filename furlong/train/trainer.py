@@ -103,6 +103,7 @@ class Trainer:
             self.critic_optimizer = build_optimizer(self.critic.parameters(), train_cfg, getattr(train_cfg, "critic_lr", None))
             self.critic_scheduler = build_scheduler(self.critic_optimizer, train_cfg)
         self.step = 0
+        self.seen_logprobs: dict[int, list[float]] = {}
         self.nonfinite_streak = 0  # optimiser steps in a row skipped for a NaN/inf loss or gradient
         hook = getattr(train_cfg, "before_train_step", None)
         if hook:
@@ -211,6 +212,7 @@ class Trainer:
 
     def train_rollout(self, samples: list[Sample] | TrainBatch) -> list[dict[str, float]]:
         """Prepare a rollout batch once, then take `num_steps_per_rollout` optimiser steps over its slices."""
+        self.seen_logprobs = {}  # id(sample) -> train log-probs of this batch, when not in `old_logprobs`
         batch = self.last_batch = self.prepare(samples)  # kept for provenance (advantages, old log-probs)
         n = self.cfg.num_steps_per_rollout
         if len(batch) % n:
@@ -250,7 +252,10 @@ class Trainer:
         lp, ent = self._logprobs(self.policy, packed, entropy=True)
         t: dict[str, Any] = {k: v.to(self.device) for k, v in sub.loss_tensors().items()}
         t.update(totals, logprobs=lp, entropy=ent)
-        t.setdefault("old_logprobs", lp.detach())
+        if "old_logprobs" not in t:  # on-policy: this forward's log-probs are the old ones; keep them for provenance
+            t["old_logprobs"] = lp.detach()
+            for i, s in enumerate(sub.samples):
+                self.seen_logprobs[id(s)] = t["old_logprobs"][i, : s.response_length].tolist()
         if self.critic is not None:
             t["values"] = self._values(packed)
         loss, metrics = self.losses.compute_policy_objective(self.algo, t)

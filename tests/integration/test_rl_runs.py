@@ -245,9 +245,12 @@ def test_async_with_staleness_0_and_colocated_engine_equal_sync(sync_run):
     """
     root = sync_run.parent
     want_samples, want_weights = samples(sync_run), weights(sync_run)
-    for name, overrides in {"async": ["rollout.mode=async", "rollout.max_staleness=0"],
-                            "colocated": ["cluster.colocate=true"]}.items():
-        result = finish(train(root / name, *overrides), root / name)  # one at a time: 2 cores
+    # Both at once: start-up is mostly waiting on imports and processes, and neither run's
+    # samples may depend on timing anyway.
+    drivers = {name: train(root / name, *overrides) for name, overrides in {
+        "async": ["rollout.mode=async", "rollout.max_staleness=0"], "colocated": ["cluster.colocate=true"]}.items()}
+    for name, driver in drivers.items():
+        result = finish(driver, root / name)
         assert result["steps"] == STEPS, name
         if name == "async":  # its producer ran ahead, so the bound had groups to regenerate
             assert result["rollout_stats"]["regenerated"].get("stale", 0) > 0, result["rollout_stats"]
@@ -256,6 +259,12 @@ def test_async_with_staleness_0_and_colocated_engine_equal_sync(sync_run):
 
 
 def test_sigkilled_driver_resumes_to_the_uninterrupted_weights(sync_run):
+    """SIGKILL the driver in step 2 (after checkpoint 1), `--resume`: the sync run's weights, bit for bit.
+
+    The kill leaves nothing behind: Ray fate-shares its GCS, raylet and workers with the
+    driver, engines and router die with their actor (PR_SET_PDEATHSIG), and the driver's
+    reaper (`cluster/processes.py`) kills Ray's agents, which otherwise outlive it.
+    """
     run_dir = sync_run.parent / "killed"
     ckpt = run_dir / "checkpoints" / "step_1" / "driver_state.json"
     driver = train(run_dir, env={HOLD_ENV: str(ckpt)})

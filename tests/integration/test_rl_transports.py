@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import time
 from pathlib import Path
 
 import pytest
@@ -21,13 +23,36 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 
+TOKEN = "-leading-dash-token"  # token_urlsafe's alphabet has "-": engines and router must still take such a token
+
+
+def _left(session_dir: str) -> list[str]:
+    """Processes holding this module's token (engines, router) or a file in its Ray session (Ray's own)."""
+    left = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            fds = [os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")]
+        except OSError:
+            continue
+        if TOKEN in cmd or any(f.startswith(session_dir + "/") for f in fds):
+            left.append(f"{pid}: {cmd[:120]}")
+    return left
+
+
 @pytest.fixture(scope="module", autouse=True)
 def ray_session():
-    """The first run starts a local Ray; it serves every transport, then goes."""
+    """The first run starts a local Ray; it serves every transport, then goes, leaving no process behind."""
     yield
     import ray
 
+    session_dir = ray._private.worker._global_node.get_session_dir_path() if ray.is_initialized() else None
     ray.shutdown()
+    if session_dir:
+        deadline = time.monotonic() + 15
+        while _left(session_dir) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert not _left(session_dir), _left(session_dir)
 
 
 @pytest.mark.parametrize("transport", ["shm", "broadcast", "p2p", "disk", "delta"])
@@ -35,6 +60,8 @@ def test_one_step_with_each_transport_leaves_engine_weights_equal_to_the_trainer
     from furlong.config import load_config
     from furlong.train.run import Run
 
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "admin_token").write_text(TOKEN)
     cfg = load_config(str(ROOT / "recipes" / "debug.yaml"), [
         f"run_dir={tmp_path / 'run'}", "train.total_steps=1", "data.n_eval=1", "observe.tensorboard=false",
         f"weights.transport={transport}", "weights.verify=true", "algo.entropy_coef=0.01"])

@@ -75,7 +75,7 @@ F.chartCard = (title, series, opts) => h("div", { class: "card", "data-testid": 
 // ------------------------------------------------------------------ overview
 const OVERVIEW = [
   ["Reward", /reward/], ["Accuracy", /acc/], ["Loss", /^loss\//], ["KL", /(^|[/_])kl/], ["Entropy", /entropy/],
-  ["Throughput", /tokens_per_s|throughput|per_sec/], ["Staleness", /stale/], ["Response length", /length_mean/],
+  ["Throughput", /tokens_per_s|throughput|_per_s(ec)?$/], ["Staleness", /stale/], ["Response length", /length_mean/],
 ];
 F.views = {};
 F.views.overview = async (main) => {
