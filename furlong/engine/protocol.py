@@ -50,6 +50,15 @@ class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
 
+
+
+def _check_stop(cls, v):
+    """`stop`: one string or a list of at most MAX_STOP non-empty strings."""
+    v = [v] if isinstance(v, str) else v
+    if v is not None and (len(v) > MAX_STOP or any(not s for s in v)):
+        raise ValueError(f"at most {MAX_STOP} non-empty strings")
+    return v
+
 class SamplingParamsIn(Strict):
     max_new_tokens: int | None = Field(None, strict=True, ge=0)
     temperature: float = Field(1.0, ge=0.0, le=100.0)
@@ -66,13 +75,7 @@ class SamplingParamsIn(Strict):
     n: int = Field(1, strict=True, ge=1, le=MAX_N)
     spaces_between_special_tokens: bool = True
 
-    @field_validator("stop")
-    @classmethod
-    def _stop(cls, v):
-        v = [v] if isinstance(v, str) else v
-        if v is not None and (len(v) > MAX_STOP or any(not s for s in v)):
-            raise ValueError(f"at most {MAX_STOP} non-empty strings")
-        return v
+    _stop = field_validator("stop")(_check_stop)
 
 
 class GenerateIn(Strict):
@@ -121,13 +124,7 @@ class OpenAICommon(Strict):
     return_tokens_as_token_ids: bool = False
     rid: str | None = None
 
-    @field_validator("stop")
-    @classmethod
-    def _stop(cls, v):
-        v = [v] if isinstance(v, str) else v
-        if v is not None and (len(v) > MAX_STOP or any(not s for s in v)):
-            raise ValueError(f"at most {MAX_STOP} non-empty strings")
-        return v
+    _stop = field_validator("stop")(_check_stop)
 
 
 class ChatIn(OpenAICommon):
