@@ -63,7 +63,7 @@ CALCULATOR_TOOL: dict[str, Any] = {
     "type": "function",
     "function": {
         "name": "calculator",
-        "description": "Evaluate integer arithmetic: + - * and parentheses.",
+        "description": "integer + - * and parentheses",
         "parameters": {
             "type": "object",
             "properties": {"expression": {"type": "string"}},

@@ -6,6 +6,7 @@ rollout manager generates every sample with `generate` below:
     open a session on this process's session server (started once, in a thread,
         against the URL the manager's EngineClient uses: the router or one engine)
     await agent(sample, base_url)          # any harness; it only speaks the OpenAI API
+        (or agent(sample, base_url, envs): a third parameter gets the `envs` section)
     close the session; its Sample -> the rollout's sample (exact engine ids,
         log-probs, weight versions, loss mask 0 on template and tool tokens)
     reward: what the agent returned, else the environment's reward
@@ -82,6 +83,18 @@ def _agent(rollout: Any) -> Any:
     return load_plugin("rollout.agent_fn", spec)
 
 
+def _wants_config(agent: Any) -> bool:
+    """An agent with a third parameter gets the `envs` config section (connectors read `envs.connector`)."""
+    import inspect
+
+    try:
+        params = [p for p in inspect.signature(agent).parameters.values()
+                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.VAR_POSITIONAL)]
+    except (TypeError, ValueError):
+        return False
+    return len(params) >= 3 or any(p.kind == p.VAR_POSITIONAL for p in params)
+
+
 def _final_reply(messages: list[dict[str, Any]]) -> tuple[str, int]:
     """(the last assistant reply's text, tool calls made) from a session's recorded messages."""
     replies = [m for m in messages if m.get("role") == "assistant"]
@@ -108,7 +121,8 @@ async def generate(ctx: RolloutContext, sample: Sample, sampling_params: dict[st
         sid = resp.json()["id"]
         error: Exception | None = None
         try:
-            result = await call(agent, sample, server.session_url(sid))
+            args = (sample, server.session_url(sid)) + ((envs,) if _wants_config(agent) else ())
+            result = await call(agent, *args)
         except Exception as e:  # noqa: BLE001 - decided below, once the session's record is known
             result, error = None, e
         finally:  # also on cancellation: a session never outlives its sample

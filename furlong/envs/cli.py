@@ -5,6 +5,11 @@
         http://127.0.0.1:31000/sessions/<id>/v1 as its OpenAI base_url
     furlong envs demos calculator FILE [--n 2000] [--flawed 0.5] [--difficulty 1]
         write calculator tool-use conversations for the SFT warm-up (data.sft_path)
+    furlong envs setup NAME... | --all [--force]
+        build (or reuse) the virtual environment of a connector package
+        (openenv, verifiers, nemo-gym, harbor); cached under ~/.cache/furlong/envs
+    furlong envs list
+        the connectors, their Python and requirements, and whether each is built
     furlong envs sandbox FILE.py [--timeout 10] [--memory-mb 1024]
         run a program in the local sandbox and print the result as JSON,
         including which isolation layers were in force on this machine
@@ -33,6 +38,11 @@ def main(argv: list[str] | None = None) -> int:
     d.add_argument("--flawed", type=float, default=0.5, help="fraction that skip the tool and answer wrongly")
     d.add_argument("--difficulty", type=int, default=1)
     d.add_argument("--seed", type=int, default=0)
+    u = sub.add_parser("setup", help="build the virtual environment of one or more connectors (cached)")
+    u.add_argument("names", nargs="*", help="connector names (see `furlong envs list`)")
+    u.add_argument("--all", action="store_true", help="every connector")
+    u.add_argument("--force", action="store_true", help="rebuild even when cached")
+    sub.add_parser("list", help="the connectors and whether their environments are built")
     b = sub.add_parser("sandbox", help="run a Python file in the local sandbox; print the result as JSON")
     b.add_argument("file")
     b.add_argument("--timeout", type=float, default=10.0, help="wall-clock seconds")
@@ -41,6 +51,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "sessions":
         return _sessions(args)
+    if args.command in ("setup", "list"):
+        return _setup(args)
     if args.command == "demos":
         from furlong.envs.calculator import write_demonstrations
 
@@ -64,6 +76,31 @@ def _sessions(args: argparse.Namespace) -> int:
     print(f"furlong sessions on http://{args.host}:{args.port} -> {args.engine}", file=sys.stderr)
     uvicorn.run(server.app(), host=args.host, port=args.port, log_level="warning", access_log=False)
     return 0
+
+
+def _setup(args: argparse.Namespace) -> int:
+    from furlong.envs.connectors import CONNECTORS, spec
+    from furlong.envs.connectors.venvs import VenvError, ensure, is_built, venv_dir
+
+    if args.command == "list":
+        for name in CONNECTORS:
+            s = spec(name)
+            state = "built" if is_built(s) else "not built"
+            print(f"{name:10s} python {s.python}  {state:9s}  {venv_dir(s)}\n{'':10s} {' '.join(s.requirements)}")
+        return 0
+    names = list(CONNECTORS) if args.all else args.names
+    if not names:
+        print("furlong envs setup: name one or more connectors, or pass --all; known: " + ", ".join(CONNECTORS),
+              file=sys.stderr)
+        return 2
+    failed = []
+    for name in names:
+        try:
+            print(ensure(spec(name), force=args.force).parent.parent)
+        except (ValueError, VenvError) as e:
+            print(f"furlong envs setup {name}: {e}", file=sys.stderr)
+            failed.append(name)
+    return 1 if failed else 0
 
 
 def _sandbox(args: argparse.Namespace) -> int:

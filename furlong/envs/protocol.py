@@ -104,6 +104,14 @@ def build_environment(envs: Any, sample: Sample) -> Environment:
             factory = load_plugin("envs.environment", factory)
         return factory(config=envs, seed=sample.metadata.get("seed", 0))
     name = getattr(envs, "name", None) or sample.metadata.get("env") or sample.metadata.get("task")
+    from furlong.envs.connectors import CONNECTORS, connector
+
+    if name in CONNECTORS:
+        module = connector(name)
+        if not hasattr(module, "environment"):
+            raise ValueError(f"envs.name={name!r}: this connector is an agent, not an environment; "
+                             f"set rollout.agent_fn: {module.__name__}:agent instead")
+        return module.environment(config=envs, seed=sample.metadata.get("seed", 0))
     if name not in BUILTIN:
         if getattr(envs, "name", None):
             raise ValueError(f"envs.name={name!r}: not a built-in environment; known: {sorted(BUILTIN)}")

@@ -16,7 +16,7 @@ import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-FACTORY_VERSION = 3  # bump when the factory's output changes, to invalidate caches
+FACTORY_VERSION = 4  # bump when the factory's output changes, to invalidate caches
 ARCHS = ("qwen3", "llama", "qwen3_moe")
 
 

@@ -24,13 +24,20 @@ SPECIAL_TOKENS = [EOS, IM_START, IM_END]
 TOOL_TOKENS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]
 
 # ChatML with tools. A tool call is rendered as <tool_call>{json}</tool_call>,
-# a tool result as a `tool` turn wrapped in <tool_response>.
+# a tool result as a `tool` turn wrapped in <tool_response>. Tools are listed as
+# compact signatures, `- name(arg, ...): description`, not as JSON schemas: a schema
+# costs a ~500-token vocab over a hundred tokens per tool, which a tiny model would
+# have to attend across on every turn (and a CPU trainer pay for on every sample).
 CHAT_TEMPLATE = (
     "{% if tools %}"
     "<|im_start|>system\n"
     "{% if messages[0].role == 'system' %}{{ messages[0].content }}\n{% endif %}"
-    "Tools:\n{% for tool in tools %}{{ tool | tojson }}\n{% endfor %}"
-    "Call a tool with <tool_call>{\"name\": ..., \"arguments\": ...}</tool_call>.<|im_end|>\n"
+    "Tools:\n{% for tool in tools %}{% set f = tool.function if tool.function is defined else tool %}"
+    "- {{ f.name }}("
+    "{% if f.parameters is defined and f.parameters.properties is defined %}"
+    "{{ f.parameters.properties | list | join(', ') }}{% endif %})"
+    "{{ ': ' ~ f.description if f.description else '' }}\n{% endfor %}"
+    "Use <tool_call>{\"name\": ..., \"arguments\": ...}</tool_call><|im_end|>\n"
     "{% endif %}"
     "{% for message in messages %}"
     "{% if message.role == 'system' %}"
