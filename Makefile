@@ -13,21 +13,26 @@ export TRANSFORMERS_OFFLINE := 1
 export HF_DATASETS_OFFLINE := 1
 export RAY_USAGE_STATS_ENABLED := 0
 
-.PHONY: setup demo test test-fast docs check-claims clean
+.PHONY: setup envs demo test test-fast docs check-claims clean
 
 $(STAMP): pyproject.toml constraints.txt
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	@echo "setting up $(VENV) (torch pinned to the CPU build via constraints.txt)"
-	$(PIP) -e '.[dev,bench]'
+	$(PIP) -e '.[dev,bench,envs]'
 	@touch $(STAMP)
 
 setup: $(STAMP)
 	@command -v chromium >/dev/null || ./scripts/install-chromium.sh || echo "chromium not installed: browser tests will fail"
 
+# The connector packages' own virtual environments (OpenEnv, Verifiers, NeMo Gym, Harbor), built
+# side by side when missing and cached under ~/.cache/furlong/envs; a no-op when they are.
+envs: setup
+	$(BIN)/furlong envs setup --all
+
 demo: setup
 	$(BIN)/furlong demo
 
-test: setup
+test: setup envs
 	./scripts/run-tests.sh
 
 test-fast: setup

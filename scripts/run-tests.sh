@@ -5,7 +5,7 @@
 # check (python -m furlong.claims) proves the README and docs against this run.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-MIN_TESTS=${FURLONG_MIN_TESTS:-20}
+MIN_TESTS=${FURLONG_MIN_TESTS:-600}
 mkdir -p .reports; report=.reports/junit.xml
 .venv/bin/python -m pytest -q -p no:cacheprovider --junitxml="$report" "$@"
 rc=$?

@@ -79,6 +79,7 @@ class ModelConfig(Section):
     size: Literal["tiny", "small", "m25"] = "tiny"  # tiny 0.14M, small 3.4M, m25 25.7M parameters
     dtype: Dtype = "float32"  # weights as loaded for training and rollout
     seed: int = 0  # weight init of a locally built model
+    max_positions: int = Field(2048, ge=64, le=131072)  # context length of a locally built model
 
 
 class DataConfig(Section):
@@ -200,6 +201,7 @@ class TrainConfig(Section):
     keep_checkpoints: int | None = Field(None, ge=1)  # None = keep all
     max_nonfinite_steps: int = Field(3, ge=1)  # NaN/inf losses in a row before the run stops
     sft_steps: int = Field(0, ge=0)  # SFT warm-up steps before RL
+    sft_lr: float | None = Field(None, gt=0)  # learning rate of the SFT warm-up; None -> lr
     lora: LoraConfig = Field(default_factory=LoraConfig)
     loss_fn: PluginPath = None  # plug point: per-token policy loss
     advantage_fn: PluginPath = None  # plug point: advantage estimator (else algo.advantage)

@@ -39,4 +39,9 @@ def build_data(cfg: Any) -> tuple[DataSource, list[Prompt]]:
         evals = list(get_task(d.eval_task or d.task).make("eval", d.n_eval, seed=cfg.seed + 1, difficulty=d.difficulty, chat=chat))
     else:
         evals = []
+    source = getattr(cfg.rollout, "data_source", None)
+    if source:  # the `rollout.data_source` plug point replaces the train prompts the data section describes
+        from furlong.config.registry import load_plugin
+
+        return load_plugin("rollout.data_source", source)(config=cfg, seed=cfg.seed), evals
     return DataSource(train, seed=cfg.seed, shuffle=d.shuffle), evals

@@ -93,14 +93,20 @@ def _setup(args: argparse.Namespace) -> int:
         print("furlong envs setup: name one or more connectors, or pass --all; known: " + ", ".join(CONNECTORS),
               file=sys.stderr)
         return 2
-    failed = []
-    for name in names:
+    from concurrent.futures import ThreadPoolExecutor
+
+    def build(name: str) -> bool:
+        """Builds run side by side: they wait mostly on the package index, not on the CPU."""
         try:
-            print(ensure(spec(name), force=args.force).parent.parent)
+            print(ensure(spec(name), force=args.force).parent.parent, flush=True)
+            return True
         except (ValueError, VenvError) as e:
-            print(f"furlong envs setup {name}: {e}", file=sys.stderr)
-            failed.append(name)
-    return 1 if failed else 0
+            print(f"furlong envs setup {name}: {e}", file=sys.stderr, flush=True)
+            return False
+
+    with ThreadPoolExecutor(max_workers=len(names)) as pool:
+        ok = list(pool.map(build, names))
+    return 0 if all(ok) else 1
 
 
 def _sandbox(args: argparse.Namespace) -> int:

@@ -307,6 +307,14 @@ def build_sandbox(envs: Any) -> Any:
         from furlong.config.registry import load_plugin
 
         return load_plugin("envs.sandbox_factory", envs.sandbox_factory)(config=envs)
+    if envs.sandbox == "e2b":  # imported here: the SDKs are an optional extra (furlong[envs])
+        from furlong.envs.sandbox_e2b import E2BSandbox
+
+        return E2BSandbox.from_config(envs)
+    if envs.sandbox == "daytona":
+        from furlong.envs.sandbox_daytona import DaytonaSandbox
+
+        return DaytonaSandbox.from_config(envs)
     if envs.sandbox != "local":
-        raise NotImplementedError(f"envs.sandbox={envs.sandbox!r}: only 'local' is available so far")
+        raise ValueError(f"envs.sandbox={envs.sandbox!r}: expected local, e2b or daytona")
     return LocalSandbox.from_config(envs)

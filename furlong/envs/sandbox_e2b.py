@@ -66,7 +66,7 @@ class E2BSandbox(RemoteSandbox):
 
     async def _upload(self, box: Any, path: str, data: bytes) -> None:
         try:
-            await box.files.write(path, data)
+            await box.files.write(path, data, use_octet_stream=True)  # raw body (envd >= 0.5.7, else multipart)
         except (self.e2b.SandboxNotRunningException, self.e2b.NotFoundException) as e:
             raise SandboxGone(str(e)) from e
 

@@ -10,6 +10,9 @@ produced, and on each turn tokenises *only the messages the agent appended*
 
     POST   /sessions                           {"metadata"?, "label"?, "sampling"?, "max_new_tokens"?} -> {"id"}
     POST   /sessions/{id}/v1/chat/completions  OpenAI chat API; use .../sessions/{id}/v1 as base_url
+    POST   /v1/chat/completions                the same, the session named by the `X-Furlong-Session`
+                                               header or `metadata.furlong_session` in the body
+    POST   /sessions/{id}/tokenize, /tokenize  token ids of `messages` (+ `tools`) or of `prompt` text
     GET    /sessions/{id}/samples              the session's Samples (one per trajectory), as JSON
     DELETE /sessions/{id}                      end the session; returns its Samples
     GET    /metrics                            counters (Prometheus text)
@@ -40,6 +43,15 @@ so the trajectory served last is known.
 
 Every engine call of a session carries `X-Routing-Key: <session id>`, so behind the
 router the whole session stays on one engine (and reuses its prefix cache).
+
+A harness whose model endpoint is fixed when it starts (one base URL for all its
+episodes, as NeMo Gym's model server has) uses the session-less route and names the
+session per request, in OpenAI's `metadata` map (which such harnesses pass through)
+or a header. A harness that records tokens itself, vLLM-style (`logprobs` with
+`return_tokens_as_token_ids`, then `/tokenize` on the same messages), gets `token_id:N`
+log-probs, and from `/tokenize` the ids a served turn sent to the engine when the
+messages are that turn's prompt (in the named session, else in any open one); other
+messages go through the chat template. So its own record agrees with the session's.
 """
 
 from __future__ import annotations
@@ -65,6 +77,8 @@ from furlong.rollout.generate import apply_response, derive_seed, encode_prompt
 from furlong.rollout.sample import Sample
 
 ROUTING_HEADER = "X-Routing-Key"
+SESSION_HEADER = "X-Furlong-Session"  # names the session on the session-less routes
+SESSION_METADATA = "furlong_session"  # ... or this key of the body's OpenAI `metadata`
 SAMPLING_KEYS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p", "seed": "seed",
                  "stop": "stop", "stop_token_ids": "stop_token_ids"}
 
@@ -116,6 +130,7 @@ class Trajectory:
     tools: list[dict[str, Any]] | None
     history: list[tuple[Any, ...]] = field(default_factory=list)  # normalised messages, replies included
     points: list[tuple[int, int, str]] = field(default_factory=list)  # after each reply: (messages, tokens, its text)
+    prompts: list[tuple[int, int]] = field(default_factory=list)  # each turn's prompt: (messages, tokens)
 
 
 @dataclass
@@ -228,11 +243,64 @@ class SessionServer:
             traj.history.append(normalise(message))
             sample.metadata["messages"].append(clean(message))
             traj.points.append((len(traj.history), len(sample.tokens), tok.decode(reply_ids, skip_special_tokens=False)))
+            traj.prompts.append((len(traj.history) - 1, len(sample.tokens) - len(reply_ids)))
             sample.metadata["turns"] = len(traj.points)
             session.turns += 1
             sample.metadata["last_turn"] = session.turns
             self.counts["turns"] += 1
         return self._response(body, out, message, reply_ids, sample, tok)
+
+    @staticmethod
+    def session_named(headers: Any, body: Any, required: bool = True) -> str | None:
+        """The session a session-less request names: the `X-Furlong-Session` header, else `metadata.furlong_session`."""
+        sid = headers.get(SESSION_HEADER)
+        if not sid and isinstance(body, dict) and isinstance(body.get("metadata"), dict):
+            sid = body["metadata"].get(SESSION_METADATA)
+        if not sid and required:
+            raise RequestError(f"metadata.{SESSION_METADATA}",
+                               f"no session named: send the {SESSION_HEADER} header or metadata.{SESSION_METADATA}, "
+                               "or use /sessions/{id}/v1 as the base URL")
+        return str(sid) if sid else None
+
+    async def tokenize(self, sid: str | None, body: Any) -> dict[str, Any]:
+        """`/tokenize`: ids of `messages` (+ `tools`; with the generation prompt) or of `prompt` text.
+
+        Messages that are the prompt of a turn already served — in session `sid`, or in
+        any open session when none is named — get the ids that turn sent to the engine
+        (the latest such turn's), so a harness that records tokens itself agrees with the
+        session; other messages go through the chat template, as the engine's would.
+        """
+        if not isinstance(body, dict):
+            raise RequestError("body", "must be a JSON object")
+        tok = await self._tok()
+        messages, text = body.get("messages"), body.get("prompt", body.get("text"))
+        if messages is None:
+            if not isinstance(text, str):
+                raise RequestError("prompt", "give `messages` (a list) or `prompt` (text)")
+            ids = list(tok.encode(text, add_special_tokens=bool(body.get("add_special_tokens", True))))
+            return {"tokens": ids, "count": len(ids)}
+        if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m for m in messages):
+            raise RequestError("messages", "must be a list of objects with a 'role'")
+        tools = body.get("tools")
+        if tools is not None and not isinstance(tools, list):
+            raise RequestError("tools", "must be a list")
+        tools = template_tools(tools) if tools else None
+        ids = self._served_prompt(self._get(sid) if sid else None, [normalise(m) for m in messages], tools)
+        if ids is None:
+            ids = encode_prompt(tok, [clean(m) for m in messages], tools)
+        return {"tokens": ids, "count": len(ids)}
+
+    def _served_prompt(self, session: Session | None, keys: list[tuple[Any, ...]], tools: Any) -> list[int] | None:
+        best: tuple[int, list[int] | None] = (-1, None)
+        for s in [session] if session else list(self.sessions.values()):
+            for traj in s.trajectories:
+                last = traj.sample.metadata.get("last_turn", 0)
+                if traj.tools != tools or last <= best[0]:
+                    continue
+                for n_messages, n_tokens in traj.prompts:
+                    if n_messages == len(keys) and traj.history[:n_messages] == keys:
+                        best = (last, traj.sample.tokens[:n_tokens])
+        return None if best[1] is None else list(best[1])
 
     def _check(self, body: Any) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
         if not isinstance(body, dict):
@@ -279,7 +347,7 @@ class SessionServer:
             sample = _truncate(Sample.from_dict(json.loads(parent.sample.to_json())), t)
             traj = self._new_trajectory(session, sample, tools, parent.sample.metadata["messages"][:m],
                                         branch_of=session.trajectories.index(parent))
-            traj.history, traj.points = parent.history[:m], parent.points[: k + 1]
+            traj.history, traj.points, traj.prompts = parent.history[:m], parent.points[: k + 1], parent.prompts[: k + 1]
         else:
             prompt = [clean(m) for m in messages]
             sample = Sample(prompt=prompt, tokens=encode_prompt(tok, prompt, tools), label=session.label)
@@ -394,18 +462,38 @@ class SessionServer:
             return {"id": self.create(body.get("metadata"), body.get("label"), sampling=body.get("sampling"),
                                       max_new_tokens=body.get("max_new_tokens"))}
 
-        @app.post("/sessions/{sid}/v1/chat/completions")
-        async def chat(sid: str, request: Request):
-            body = await body_of(request)
+        async def serve_chat(sid: str, body: Any):
             resp = await self.chat(sid, body)
             if isinstance(body, dict) and body.get("stream"):
                 return StreamingResponse(_stream(resp, body), media_type="text/event-stream")
             return resp
 
+        @app.post("/sessions/{sid}/v1/chat/completions")
+        async def chat(sid: str, request: Request):
+            return await serve_chat(sid, await body_of(request))
+
+        @app.post("/v1/chat/completions")
+        async def chat_named(request: Request):
+            body = await body_of(request)
+            return await serve_chat(self.session_named(request.headers, body), body)
+
+        @app.post("/sessions/{sid}/tokenize")
+        async def tokenize(sid: str, request: Request):
+            return await self.tokenize(sid, await body_of(request))
+
+        @app.post("/tokenize")
+        async def tokenize_any(request: Request):
+            body = await body_of(request)
+            return await self.tokenize(self.session_named(request.headers, body, required=False), body)
+
+        @app.get("/v1/models")
+        async def models_any():
+            return {"object": "list", "data": [{"id": "furlong", "object": "model", "created": 0, "owned_by": "furlong"}]}
+
         @app.get("/sessions/{sid}/v1/models")
         async def models(sid: str):
             self._get(sid)
-            return {"object": "list", "data": [{"id": "furlong", "object": "model", "created": 0, "owned_by": "furlong"}]}
+            return await models_any()
 
         @app.get("/sessions/{sid}/samples")
         async def samples(sid: str):

@@ -1,4 +1,4 @@
-"""`furlong models create --arch A --size S --out DIR`."""
+"""`furlong models create --arch A --size S [--max-positions N] --out DIR`."""
 
 from __future__ import annotations
 
@@ -16,8 +16,9 @@ def main(argv: list[str]) -> int:
     c.add_argument("--size", choices=list(SIZES), default="tiny")
     c.add_argument("--out", default=None, help="directory to write (default: the cache directory)")
     c.add_argument("--seed", type=int, default=0)
+    c.add_argument("--max-positions", type=int, default=2048, help="context length (RoPE positions)")
     args = p.parse_args(argv)
-    path = create_model(args.arch, args.size, args.out, args.seed)
+    path = create_model(args.arch, args.size, args.out, args.seed, max_positions=args.max_positions)
     info = json.loads((path / "furlong_model.json").read_text())
     print(f"{path}  ({info['arch']}/{info['size']}, {info['parameters'] / 1e6:.2f}M parameters)")
     return 0

@@ -16,6 +16,7 @@ import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+DEFAULT_POSITIONS = 2048
 FACTORY_VERSION = 4  # bump when the factory's output changes, to invalidate caches
 ARCHS = ("qwen3", "llama", "qwen3_moe")
 
@@ -45,7 +46,7 @@ def cache_root() -> Path:
     return Path(os.environ.get("FURLONG_CACHE", Path.home() / ".cache" / "furlong")) / "models"
 
 
-def hf_config(arch: str, size: Size, max_positions: int = 2048):
+def hf_config(arch: str, size: Size, max_positions: int = DEFAULT_POSITIONS):
     """The transformers config for an (arch, size) pair; head_dim is always explicit."""
     from transformers import LlamaConfig, Qwen3Config, Qwen3MoeConfig
 
@@ -80,13 +81,19 @@ def hf_config(arch: str, size: Size, max_positions: int = 2048):
     raise ValueError(f"model.arch: unknown architecture {arch!r}; choose one of {list(ARCHS)}")
 
 
-def _key(arch: str, size: str, seed: int) -> str:
+def _key(arch: str, size: str, seed: int, max_positions: int = DEFAULT_POSITIONS) -> str:
     spec = {"arch": arch, "size": asdict(SIZES[size]), "seed": seed, "factory": FACTORY_VERSION}
+    if max_positions != DEFAULT_POSITIONS:  # the default keeps the keys (and caches) models had before the option
+        spec["max_positions"] = max_positions
     return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def create_model(arch: str = "qwen3", size: str = "tiny", out: str | Path | None = None, seed: int = 0) -> Path:
+def create_model(arch: str = "qwen3", size: str = "tiny", out: str | Path | None = None, seed: int = 0,
+                 max_positions: int = DEFAULT_POSITIONS) -> Path:
     """Build (or reuse) a model directory and return its path.
+
+    `max_positions` is the context length (RoPE positions); agent harnesses with long
+    system prompts (Harbor's Terminus: ~2k tokens in this vocabulary) need more than the default.
 
     With `out`, the cached directory is copied there (skipped when `out` already
     holds the same build). Raises ValueError naming the bad argument.
@@ -95,10 +102,12 @@ def create_model(arch: str = "qwen3", size: str = "tiny", out: str | Path | None
         raise ValueError(f"--arch: unknown architecture {arch!r}; choose one of {list(ARCHS)}")
     if size not in SIZES:
         raise ValueError(f"--size: unknown size {size!r}; choose one of {list(SIZES)}")
-    key = _key(arch, size, seed)
+    if not 64 <= max_positions <= 1 << 17:
+        raise ValueError(f"--max-positions: {max_positions} is outside [64, 131072]")
+    key = _key(arch, size, seed, max_positions)
     cached = cache_root() / f"{arch}-{size}-{key}"
     if not (cached / "furlong_model.json").exists():
-        _build(arch, size, seed, cached, key)
+        _build(arch, size, seed, cached, key, max_positions)
     if out is None:
         return cached
     out = Path(out)
@@ -111,7 +120,7 @@ def create_model(arch: str = "qwen3", size: str = "tiny", out: str | Path | None
     return out
 
 
-def _build(arch: str, size: str, seed: int, dest: Path, key: str) -> None:
+def _build(arch: str, size: str, seed: int, dest: Path, key: str, max_positions: int = DEFAULT_POSITIONS) -> None:
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -122,16 +131,18 @@ def _build(arch: str, size: str, seed: int, dest: Path, key: str) -> None:
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     tokenizer = build_tokenizer(spec.vocab, seed)
+    tokenizer.model_max_length = max_positions
     assert len(tokenizer) <= spec.vocab, (len(tokenizer), spec.vocab)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(hf_config(arch, spec), dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(hf_config(arch, spec, max_positions), dtype=torch.float32)
     model.generation_config.eos_token_id = tokenizer.convert_tokens_to_ids(["<|endoftext|>", "<|im_end|>"])
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
     n_params = sum(p.numel() for p in model.parameters())
     (tmp / "furlong_model.json").write_text(
-        json.dumps({"key": key, "arch": arch, "size": size, "seed": seed, "parameters": n_params}, indent=2)
+        json.dumps({"key": key, "arch": arch, "size": size, "seed": seed, "max_positions": max_positions,
+                    "parameters": n_params}, indent=2)
     )
     # Atomic publish: concurrent builders (parallel tests) never see a half-written dir.
     try:

@@ -26,6 +26,13 @@ def rollout_metrics(batch: list[Any], version: int | None = None) -> dict[str, f
         "rollout/samples": float(len(batch)),
         "rollout/truncated_frac": sum(str(getattr(s.status, "value", s.status)) == "truncated" for s in batch) / max(1, len(batch)),
     }
+    parts: dict[str, list[float]] = {}
+    for s in batch:  # a dict reward's other components (e.g. `used_tool`), averaged over the samples that have them
+        if isinstance(s.reward, dict):
+            for k, v in s.reward.items():
+                if k != "score":
+                    parts.setdefault(k, []).append(float(v))
+    out.update({f"rollout/reward/{k}": statistics.fmean(v) for k, v in sorted(parts.items())})
     if version is not None:
         olds = [s.oldest_version() for s in batch if s.oldest_version() is not None]
         if olds:

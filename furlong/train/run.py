@@ -143,7 +143,7 @@ class Run:
             self.cfg.save(self.run_dir / "config.yaml")
         self.token = admin_token(self.run_dir)
         m = self.cfg.model
-        self.model_dir = m.path or str(create_model(m.arch, m.size, seed=m.seed))
+        self.model_dir = m.path or str(create_model(m.arch, m.size, seed=m.seed, max_positions=m.max_positions))
         from transformers import AutoTokenizer
 
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)

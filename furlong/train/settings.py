@@ -42,6 +42,7 @@ class TrainerConfig:
     checkpoint_every: int = 0
     lora: LoraSettings = field(default_factory=LoraSettings)
     sft_steps: int = 0
+    sft_lr: float | None = None  # the SFT warm-up's learning rate; None -> lr
     seed: int = 0  # adapter and value-head initialisation (identical on every rank)
 
 

@@ -231,7 +231,18 @@ class Trainer:
     def sft_step(self, samples: list[Sample] | TrainBatch) -> dict[str, float]:
         """One optimiser step of supervised fine-tuning: NLL of the loss-masked response tokens (T = 1)."""
         batch = samples if isinstance(samples, TrainBatch) else TrainBatch.from_samples(samples)
-        return self._optimise(batch, self._sft_loss)
+        sft_lr = getattr(self.cfg, "sft_lr", None)
+        if sft_lr is None:
+            return self._optimise(batch, self._sft_loss)
+        # A warm-up usually wants a larger step than RL. Afterwards every group gets the RL
+        # schedule's rate back (also when the step was skipped as non-finite).
+        for group in self.optimizer.param_groups:
+            group["lr"] = sft_lr
+        try:
+            return {**self._optimise(batch, self._sft_loss), "lr": float(sft_lr)}
+        finally:
+            for group, lr in zip(self.optimizer.param_groups, self.scheduler.get_last_lr()):
+                group["lr"] = lr
 
     def state_dict_for_sync(self) -> Iterator[tuple[str, Tensor]]:
         """(HF name, full tensor) pairs of the policy, one at a time; LoRA is merged.

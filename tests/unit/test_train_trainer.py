@@ -133,3 +133,20 @@ def test_sft_lowers_held_out_loss() -> None:
     after = held_out_nll()
     assert m["sft/num_tokens"] > 0
     assert after < before - 1.0, (before, after)
+
+
+def test_sft_lr_applies_to_sft_steps_only() -> None:
+    """`sft_lr` is the warm-up's rate: an SFT step under it equals one with lr=sft_lr, and RL gets lr back."""
+    tok = load_tokenizer(MODEL)
+    batch = _sft_samples("train", 16, tok)
+    warm = Trainer(MODEL, TrainerConfig(lr=1e-5, sft_lr=3e-3, micro_batch_tokens=512), algo(name="sft"))
+    plain = Trainer(MODEL, TrainerConfig(lr=3e-3, micro_batch_tokens=512), algo(name="sft"))
+    assert warm.sft_step(batch)["lr"] == 3e-3
+    plain.sft_step(batch)
+    a, b = weights(warm), weights(plain)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert [g["lr"] for g in warm.optimizer.param_groups] == [1e-5] * len(warm.optimizer.param_groups)
+    before = weights(warm)
+    warm.train_step(samples())
+    moved = max(float((weights(warm)[k] - before[k]).abs().max()) for k in before)
+    assert 0 < moved < 1e-3, moved  # an AdamW step moves a weight by about lr, not sft_lr

@@ -76,6 +76,8 @@ class OpenEnvError(RuntimeError):
 
 @dataclass(frozen=True)
 class Options:
+    """The `envs.connector` keys, checked (see the module docstring); `echo` brings its own observation field."""
+
     env: str = "echo"
     url: str | None = None
     action_field: str = "message"
@@ -115,7 +117,12 @@ _SERVERS_LOCK = threading.Lock()
 
 
 def server_url(opts: Options) -> str:
-    """The URL of the OpenEnv server for `opts`: `url`, or one this process started (and stops at exit)."""
+    """The URL of the OpenEnv server for `opts`: `url`, or one this process started (and stops at exit).
+
+    Starting blocks the caller (the rollout's event loop) for a few seconds, once per process:
+    every episode waits for the server anyway, and a start from a short-lived thread would
+    take the server down with it (`ManagedProcess` ties its child's life to the starting thread).
+    """
     if opts.url:
         return opts.url.rstrip("/")
     from furlong.cluster.processes import ManagedProcess, ProcessFailed, free_port
@@ -135,6 +142,7 @@ def server_url(opts: Options) -> str:
         try:
             proc.start(opts.start_timeout_s)
         except ProcessFailed as e:
+            shutil.rmtree(work, ignore_errors=True)
             raise OpenEnvError(f"envs.connector.env={opts.env!r}: the OpenEnv server did not start: {e}") from None
         _SERVERS[key] = proc
         atexit.register(_stop, proc, work)
@@ -243,7 +251,7 @@ class OpenEnvEnvironment:
         if reply.get("type") != "observation":  # the environment refused the action (validation, execution)
             state["rewards"].append(None)
             state["errors"] += 1
-            return {"observation": {"error": str((reply.get("data") or {}).get("message", reply))}}
+            return {"observation": {"error": _error_text(reply)}}
         data = reply["data"]
         state["rewards"].append(data.get("reward"))
         state["done"] = bool(data.get("done"))
@@ -292,6 +300,14 @@ class OpenEnvEnvironment:
             obs.pop("metadata", None)
             content = json.dumps(obs, ensure_ascii=False)
         return {"role": self.opts.role, "content": content}
+
+
+def _error_text(reply: dict[str, Any]) -> str:
+    """OpenEnv's error reply as one line: its message, then each validation error's field and reason."""
+    data = reply.get("data") or {}
+    details = "; ".join(f"{'.'.join(map(str, e.get('loc', ())))}: {e.get('msg')}" for e in data.get("errors") or []
+                        if isinstance(e, dict))
+    return str(data.get("message", reply)) + (f": {details}" if details else "")
 
 
 async def _close(episode: str) -> None:
