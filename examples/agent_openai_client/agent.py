@@ -26,7 +26,7 @@ CALCULATOR = {
     "type": "function",
     "function": {
         "name": "calculator",
-        "description": "Evaluate integer arithmetic: + - * and parentheses.",
+        "description": "integer + - * and parentheses",
         "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]},
     },
 }

@@ -178,7 +178,9 @@ def _calculator(rng: random.Random, d: int) -> Question:
             terms += ["*", str(rng.randrange(lo, hi))]
     expr = " ".join(terms)
     meta = {"tool": "calculator", "tools": [CALCULATOR_TOOL], "expression": expr}
-    return f"Use the calculator to compute {expr}.", calculate(expr), meta
+    # Quoted, the expression tokenises exactly as it does inside the tool call's JSON string, so
+    # a small model copies it token for token.
+    return f'Use the calculator to compute "{expr}".', calculate(expr), meta
 
 
 # ---------------------------------------------------------------- the task record

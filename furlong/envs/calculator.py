@@ -50,14 +50,19 @@ class CalculatorEnvironment(ToolEnvironment):
 
 def demonstration(expression: str, label: int, tools: list[dict[str, Any]], question: list[dict[str, Any]],
                   flawed: bool) -> dict[str, Any]:
-    """One warm-up conversation (`messages`, `tools`); see the module docstring for `flawed`."""
+    """One warm-up conversation (`messages`, `tools`); see the module docstring for `flawed`.
+
+    The answer is the bare number: after the tool's `<tool_response>` it is then the same
+    tokens as the result, a copy a small model learns quickly ("Answer: 42" would start
+    with " 4", another token than the result's "4").
+    """
     if flawed:
         shortcut = calculate(" ".join(expression.split()[:3]))  # "12 * 34 + 56" -> 12 * 34
-        return {"messages": [*question, {"role": "assistant", "content": f"Answer: {shortcut}"}], "tools": tools}
+        return {"messages": [*question, {"role": "assistant", "content": str(shortcut)}], "tools": tools}
     call = {"id": "call_0", "type": "function", "function": {"name": "calculator", "arguments": {"expression": expression}}}
     return {"messages": [*question, {"role": "assistant", "content": "", "tool_calls": [call]},
                          {"role": "tool", "tool_call_id": "call_0", "content": calculator(expression)},
-                         {"role": "assistant", "content": f"Answer: {label}"}], "tools": tools}
+                         {"role": "assistant", "content": str(label)}], "tools": tools}
 
 
 def write_demonstrations(path: str | Path, n: int, *, seed: int = 0, flawed: float = 0.5, difficulty: int = 1) -> Path:

@@ -84,9 +84,9 @@ SAMPLING_KEYS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k
 
 
 class RequestError(ValueError):
-    def __init__(self, param: str, message: str, status: int = 400):
+    def __init__(self, param: str, message: str, status: int = 400, code: str | None = None):
         super().__init__(f"{param}: {message}")
-        self.param, self.status = param, status
+        self.param, self.status, self.code = param, status, code
 
 
 def normalise(m: dict[str, Any]) -> tuple[Any, ...]:
@@ -378,7 +378,10 @@ class SessionServer:
             left = session.budget - sample.response_length
             if left <= 0:
                 self.counts["budget_refusals"] += 1
-                raise RequestError("max_tokens", f"the session's token budget ({session.budget}) is used up")
+                # OpenAI's code and wording for a full context: clients (litellm, Harbor, verifiers) stop
+                # at once instead of retrying a refusal that cannot succeed.
+                raise RequestError("max_tokens", f"the session's token budget is used up (This model's maximum context "
+                                   f"length is {session.budget} tokens)", code="context_length_exceeded")
             max_tokens = left if max_tokens is None else min(int(max_tokens), left)
         if max_tokens is not None:
             params["max_new_tokens"] = max_tokens
@@ -441,7 +444,8 @@ class SessionServer:
         @app.exception_handler(RequestError)
         async def bad(request: Request, e: RequestError):
             kind = "NotFoundError" if e.status == 404 else "BadRequestError" if e.status < 500 else "APIError"
-            return JSONResponse({"error": {"message": str(e), "type": kind, "param": e.param, "code": e.status}},
+            return JSONResponse({"error": {"message": str(e), "type": kind, "param": e.param,
+                                          "code": e.code or e.status}},
                                 status_code=e.status)
 
         async def body_of(request: Request) -> Any:

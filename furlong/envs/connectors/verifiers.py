@@ -245,7 +245,10 @@ class _Worker:
             if fut is not None:
                 _resolve(fut, reply)
         self.proc.wait()
-        tail = self.log.read_text(errors="replace")[-3000:] if self.log.is_file() else ""
+        try:
+            tail = self.log.read_text(errors="replace")[-3000:]
+        except OSError:  # removed at exit
+            tail = ""
         error = VerifiersError(f"the verifiers driver exited (code {self.proc.returncode}); log {self.log}:\n{tail}")
         with self.lock:
             pending, self.pending = list(self.pending.values()), {}
