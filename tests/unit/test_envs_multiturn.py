@@ -61,7 +61,7 @@ def test_calculator_episode_keeps_engine_ids_and_appends_tool_suffix(tok):
     glue_ids = tok.encode(glue, add_special_tokens=False)
     assert s.tokens == prompt + first + glue_ids + second
     assert script.requests[1]["input_ids"] == prompt + first + glue_ids  # the engine saw exactly this
-    assert s.status == Status.COMPLETED and s.reward == {"score": 1.0, "tool_calls": 1.0, "used_tool": 1.0}
+    assert s.status == Status.COMPLETED and s.reward == {"score": 1.0, "correct": 1.0, "used_tool": 1.0, "right_expression": 1.0, "tool_calls": 1.0}
     assert s.metadata["response_text"] == f"Answer: {label}"
     n1, ng = len(first), len(glue_ids)
     assert s.loss_mask == [1] * n1 + [0] * ng + [1] * len(second)
@@ -78,7 +78,7 @@ def test_turn_limit_truncates(tok):
     s = run(script, sample, max_turns=2).validate()
     assert s.status == Status.TRUNCATED and "turn limit" in s.status_reason
     assert len(script.requests) == 2 and s.metadata["multiturn"]["turns"] == 2
-    assert s.reward["score"] == 0.0 and s.reward["tool_calls"] == 2.0
+    assert s.reward["correct"] == 0.0 and s.reward["score"] == 0.2 and s.reward["tool_calls"] == 2.0  # called, wrongly
 
 
 def test_budget_covers_the_whole_response(tok):
