@@ -13,7 +13,7 @@ export TRANSFORMERS_OFFLINE := 1
 export HF_DATASETS_OFFLINE := 1
 export RAY_USAGE_STATS_ENABLED := 0
 
-.PHONY: setup envs demo test test-fast docs check-claims clean
+.PHONY: setup envs demo test test-fast test-extended docs check-claims clean
 
 $(STAMP): pyproject.toml constraints.txt
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -36,7 +36,10 @@ test: setup envs
 	./scripts/run-tests.sh
 
 test-fast: setup
-	./scripts/run-tests.sh -m "not slow"
+	./scripts/run-tests.sh -m "not slow and not extended"
+
+test-extended: setup envs
+	./scripts/run-tests.sh -m extended
 
 # Regenerates the reference pages (CLI, config), then builds the site offline; strict: any
 # warning (dead link or anchor, page missing from nav) fails. The banner about MkDocs 2.0 is

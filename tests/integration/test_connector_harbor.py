@@ -200,7 +200,7 @@ def test_bad_settings_name_the_field(tmp_path):
     assert hc.as_reward({"reward": 1}) == 1.0 and hc.as_reward({"a": 0.5, "b": 1}) == {"score": 0.5, "a": 0.5, "b": 1.0}
 
 
-@pytest.mark.slow
+@pytest.mark.extended  # a whole `furlong train` run (about a minute): `make test-extended`
 @pytest.mark.timeout(300)
 def test_train_recipe_runs(venv, model, tmp_path):
     """`furlong train examples/connectors/harbor.yaml`, one step: every sample is a Harbor trial its verifier scored."""

@@ -200,7 +200,7 @@ def test_bad_connector_options_name_the_field(rows):
         asyncio.run(nemo_gym.run_episode(rows[0], "http://127.0.0.1:1/v1"))
 
 
-@pytest.mark.slow
+@pytest.mark.extended  # a whole `furlong train` run (about a minute): `make test-extended`
 def test_train_on_the_example_recipe(tmp_path):
     run = tmp_path / "run"
     out = subprocess.run([sys.executable, "-m", "furlong.cli", "train", str(ROOT / "examples/connectors/nemo_gym.yaml"),

@@ -105,8 +105,8 @@ def _task_row(task: Any) -> dict[str, Any]:
 
 def _budget_refusal(trace: Any) -> bool:
     """Whether the trace ended because furlong's session refused a turn for its token budget."""
-    return any(e.type == "ProviderError" and "400" in (e.message or "") and "max_tokens" in (e.message or "")
-               for e in trace.errors)
+    marks = ("context_length_exceeded", "maximum context length", "token budget")
+    return any(any(m in (e.message or "") for m in marks) for e in trace.errors)
 
 
 async def episode(loaded: Loaded, req: dict[str, Any]) -> dict[str, Any]:
@@ -121,8 +121,9 @@ async def episode(loaded: Loaded, req: dict[str, Any]) -> dict[str, Any]:
     traces = list(result.traces)
     truncated = False
     for trace in traces:
-        if not trace.rewards and _budget_refusal(trace):
-            await task.score(trace)  # the task's own rubric, on what the trace holds
+        if _budget_refusal(trace):
+            if not trace.rewards:
+                await task.score(trace)  # the task's own rubric, on what the trace holds
             truncated = True
     rewards = {name: {"score": r.score, "weight": r.weight} for t in traces for name, r in t.rewards.items()
                if r is not None}
