@@ -6,17 +6,19 @@ Prompts come from `TASKS["calculator"]` (chat form, with the tool's schema in
 any number of times (up to `rollout.max_turns`); the result comes back as a `tool`
 turn; its final turn must state the answer.
 
-Reward (a dict; `score` is what advantages use), in tiers so a small model that
-cannot yet solve the task still gets a gradient toward using the tool well:
+Reward (a dict; `score` is what advantages use): 1.0 when the final turn's first integer
+equals the label (the task's rule); otherwise partial credit for each part of using the tool
+well, so a small model that cannot yet solve the task still gets a gradient:
 
-    1.0   the final turn's first integer equals the label (the task's rule)
-    0.5   otherwise, the calculator was called with the question's expression
-    0.2   otherwise, the calculator was called (a well-formed call)
-    0.0   no call: a guess, which is wrong unless it happens to be the value
+    0.2   the calculator was called (a well-formed call)
+  + 0.3   it was called with the question's expression
+  + 0.3   the answer is the tool's (last) result, copied
 
-plus `correct`, `tool_calls` (how many calls were made), `used_tool` (1.0 if any) and
-`right_expression` beside it, so a run shows each habit being learned. Set
-`envs.connector: {tiers: false}` for the bare task rule (1.0 / 0.0).
+Each skill is credited on its own because a GRPO advantage is one number for the whole
+episode: crediting the call alone would also reinforce whatever answer followed it, and
+teach the model to answer carelessly after a good call. Beside `score` come `correct`,
+`used_tool`, `right_expression`, `copied_result` and `tool_calls`, so a run shows each habit
+being learned. `envs.connector: {tiers: false}` gives the bare task rule (1.0 / 0.0).
 
 `write_demonstrations` writes warm-up conversations for `data.sft_path` (`furlong envs
 demos calculator FILE`): a correct one calls the tool with the question's expression
@@ -43,23 +45,33 @@ def calculator(expression: str) -> str:
     return str(calculate(str(expression)))
 
 
-TIERS = {"correct": 1.0, "right_expression": 0.5, "used_tool": 0.2}
+CREDIT = {"used_tool": 0.2, "right_expression": 0.3, "copied_result": 0.3}  # below 1.0 together: only correct earns 1
+
+
+def _copied(answer: str, result: str) -> bool:
+    """Whether the answer states the tool's result (an error message is never a number to copy)."""
+    try:
+        return score_integer(answer, int(result.strip())) == 1.0
+    except ValueError:
+        return False
 
 
 def _same_expression(a: Any, b: Any) -> bool:
     return " ".join(str(a).split()) == " ".join(str(b).split())
 
 
-def calculator_expressions(sample: Sample) -> list[str]:
-    """The `expression` of every calculator call of the episode, in order.
+def calculator_calls(sample: Sample) -> tuple[list[str], list[str]]:
+    """(the `expression` of every calculator call, every tool result), in order.
 
     Multi-turn generate records them as the environment runs them; an agent on a TITO
-    session runs its own tools, so its calls are read from the session's messages.
+    session runs its own tools, so they are read from the session's messages.
     """
     if "calculator_expressions" in sample.metadata:
-        return list(sample.metadata["calculator_expressions"])
-    out = []
+        return list(sample.metadata["calculator_expressions"]), list(sample.metadata.get("calculator_results", []))
+    expressions, results = [], []
     for m in sample.metadata.get("messages") or []:
+        if m.get("role") == "tool":
+            results.append(str(m.get("content") or ""))
         for c in m.get("tool_calls") or []:
             f = c.get("function", c)
             args = f.get("arguments", {})
@@ -69,8 +81,8 @@ def calculator_expressions(sample: Sample) -> list[str]:
                 except json.JSONDecodeError:
                     continue
             if f.get("name") == "calculator" and isinstance(args, dict) and "expression" in args:
-                out.append(str(args["expression"]))
-    return out
+                expressions.append(str(args["expression"]))
+    return expressions, results
 
 
 class CalculatorEnvironment(ToolEnvironment):
@@ -88,17 +100,25 @@ class CalculatorEnvironment(ToolEnvironment):
         _, calls, _ = parse_tool_calls(action)
         sample.metadata.setdefault("calculator_expressions", []).extend(
             str(c.arguments["expression"]) for c in calls if c.name == "calculator" and "expression" in c.arguments)
-        return await super().step(sample, action)
+        messages, done = await super().step(sample, action)
+        sample.metadata.setdefault("calculator_results", []).extend(
+            str(m.get("content") or "") for m in messages if m.get("role") == "tool")
+        return messages, done
 
     async def reward(self, sample: Sample) -> dict[str, float]:
         if sample.label is None:
             raise ValueError("CalculatorEnvironment.reward: the sample has no label")
         calls = float(sample.metadata.get("tool_calls", 0))
-        expressions = calculator_expressions(sample)
+        expressions, results = calculator_calls(sample)
         question = sample.metadata.get("expression")
-        parts = {"correct": score_integer(final_text(sample), sample.label), "used_tool": float(calls > 0),
-                 "right_expression": float(question is not None and any(_same_expression(e, question) for e in expressions))}
-        score = parts["correct"] if not self.tiers else max(TIERS[k] * v for k, v in parts.items())
+        answer = final_text(sample)
+        parts = {"correct": score_integer(answer, sample.label), "used_tool": float(calls > 0),
+                 "right_expression": float(question is not None and any(_same_expression(e, question) for e in expressions)),
+                 "copied_result": float(bool(results) and _copied(answer, results[-1]))}
+        if parts["correct"] or not self.tiers:
+            score = parts["correct"]
+        else:
+            score = sum(CREDIT[k] * parts[k] for k in CREDIT)
         return {"score": score, **parts, "tool_calls": calls}
 
 

@@ -52,7 +52,7 @@ def test_demonstration_matches_a_multiturn_rollout(tok):
     s = Sample(prompt=[USER], tokens=encode_prompt(tok, [USER], tools), label=464, metadata={"tools": tools})
     s = asyncio.run(multiturn_generate(ctx, s, {"max_new_tokens": 96}))
     assert s.tokens == want.tokens and s.loss_mask == want.loss_mask and s.token_sources == want.token_sources
-    assert s.reward == {"score": 1.0, "correct": 1.0, "used_tool": 1.0, "right_expression": 0.0, "tool_calls": 1.0}
+    assert s.reward == {"score": 1.0, "correct": 1.0, "used_tool": 1.0, "right_expression": 0.0, "copied_result": 1.0, "tool_calls": 1.0}
     # Only the two assistant turns (and their end-of-turn tokens) are trained.
     trained = [t for t, m in zip(want.response_tokens, want.loss_mask) if m]
     assert tok.decode(trained) == CALL + "<|im_end|>" + "Answer: 464<|im_end|>"
@@ -94,7 +94,7 @@ def test_tool_agent_episode_through_the_glue(tok, scripted_sessions):
     want = conversation_sample(tok, demo(None), template_tools(tools))
     assert out.tokens == want.tokens and out.loss_mask == want.loss_mask
     assert (out.index, out.group_index, out.label, out.metadata["prompt_index"]) == (5, 2, 464, 7)
-    assert out.reward == {"score": 1.0, "correct": 1.0, "used_tool": 1.0, "right_expression": 0.0, "tool_calls": 1.0}
+    assert out.reward == {"score": 1.0, "correct": 1.0, "used_tool": 1.0, "right_expression": 0.0, "copied_result": 1.0, "tool_calls": 1.0}
     assert Status(out.status) == Status.COMPLETED and out.metadata["response_text"] == "Answer: 464"
     # The rollout's sampling settings reach the engine; each turn has its own seed; the budget caps each turn.
     params = [r["sampling_params"] for r in script.requests]

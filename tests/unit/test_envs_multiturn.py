@@ -61,7 +61,7 @@ def test_calculator_episode_keeps_engine_ids_and_appends_tool_suffix(tok):
     glue_ids = tok.encode(glue, add_special_tokens=False)
     assert s.tokens == prompt + first + glue_ids + second
     assert script.requests[1]["input_ids"] == prompt + first + glue_ids  # the engine saw exactly this
-    assert s.status == Status.COMPLETED and s.reward == {"score": 1.0, "correct": 1.0, "used_tool": 1.0, "right_expression": 1.0, "tool_calls": 1.0}
+    assert s.status == Status.COMPLETED and s.reward == {"score": 1.0, "correct": 1.0, "used_tool": 1.0, "right_expression": 1.0, "copied_result": 1.0, "tool_calls": 1.0}
     assert s.metadata["response_text"] == f"Answer: {label}"
     n1, ng = len(first), len(glue_ids)
     assert s.loss_mask == [1] * n1 + [0] * ng + [1] * len(second)

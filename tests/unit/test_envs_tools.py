@@ -104,24 +104,28 @@ def test_calculator_reward_reads_only_the_final_turn():
         _, done = await env.step(s, '<tool_call>{"name": "calculator", "arguments": {"expression": "12*34"}}</tool_call>')
         assert not done
         assert await env.reward(s) == {"score": 1.0, "correct": 1.0, "used_tool": 1.0, "right_expression": 0.0,
-                                       "tool_calls": 1.0}
+                                       "copied_result": 1.0, "tool_calls": 1.0}
         s.metadata["response_text"] = "I do not know"
         assert (await env.reward(s))["score"] == 0.2  # a well-formed call earns the lowest tier
 
     asyncio.run(go())
 
 
+CALL = '<tool_call>{"name": "calculator", "arguments": {"expression": "%s"}}</tool_call>'
+
+
 @pytest.mark.parametrize("turns,answer,tiers,score", [
-    (['<tool_call>{"name": "calculator", "arguments": {"expression": "12  *  34"}}</tool_call>'], "408", True, 1.0),
-    (['<tool_call>{"name": "calculator", "arguments": {"expression": "12 * 34"}}</tool_call>'], "7", True, 0.5),
-    (['<tool_call>{"name": "calculator", "arguments": {"expression": "12 * 35"}}</tool_call>'], "420", True, 0.2),
-    (['<tool_call>{"name": "calculator", "arguments": {"x": 1}}</tool_call>'], "7", True, 0.2),
+    ([CALL % "12  *  34"], "408", True, 1.0),            # correct
+    ([CALL % "12 * 34"], "7", True, 0.5),                # called right, answered carelessly
+    ([CALL % "12 * 35"], "420", True, 0.5),              # called wrong, copied the result
+    ([CALL % "12 * 35"], "7", True, 0.2),                # called wrong, answered carelessly
+    (['<tool_call>{"name": "calculator", "arguments": {"x": 1}}</tool_call>'], "7", True, 0.2),  # error result
     ([], "407", True, 0.0),
     ([], "408", True, 1.0),
-    (['<tool_call>{"name": "calculator", "arguments": {"expression": "12 * 34"}}</tool_call>'], "7", False, 0.0),
+    ([CALL % "12 * 34"], "7", False, 0.0),
 ])
 def test_calculator_reward_tiers(turns, answer, tiers, score):
-    """Correct 1.0, else the question's expression sent to the tool 0.5, else any call 0.2; `tiers: false` is the bare rule."""
+    """Correct 1.0; else 0.2 for a call, +0.3 for the question's expression, +0.3 for copying the result; `tiers: false`: 1 / 0."""
     env = CalculatorEnvironment(SimpleNamespace(timeout_s=5.0, connector={"tiers": tiers}))
 
     async def go():
@@ -132,14 +136,16 @@ def test_calculator_reward_tiers(turns, answer, tiers, score):
         return await env.reward(s)
 
     r = asyncio.run(go())
-    assert r["score"] == score and r["correct"] == float(answer == "408")
+    assert r["score"] == pytest.approx(score) and r["correct"] == float(answer == "408")
 
 
 def test_calculator_reward_reads_an_agents_calls_from_the_session_messages():
     """On a TITO session the agent runs the tools itself: the calls come from the recorded messages."""
-    call = {"id": "c", "type": "function", "function": {"name": "calculator", "arguments": '{"expression": "12 * 34"}'}}
-    s = Sample(label=408, metadata={"expression": "12 * 34", "tool_calls": 1, "response_text": "9",
-                                    "messages": [{"role": "assistant", "content": None, "tool_calls": [call]}]})
-    assert asyncio.run(CalculatorEnvironment().reward(s))["score"] == 0.5
+    call = {"id": "c", "type": "function", "function": {"name": "calculator", "arguments": '{"expression": "12 * 35"}'}}
+    s = Sample(label=408, metadata={"expression": "12 * 34", "tool_calls": 1, "response_text": "420",
+                                    "messages": [{"role": "assistant", "content": None, "tool_calls": [call]},
+                                                 {"role": "tool", "tool_call_id": "c", "content": "420"}]})
+    r = asyncio.run(CalculatorEnvironment().reward(s))
+    assert (r["right_expression"], r["copied_result"], r["score"]) == (0.0, 1.0, pytest.approx(0.5))
     with pytest.raises(ValueError, match="envs.connector"):
         CalculatorEnvironment(SimpleNamespace(timeout_s=1.0, connector={"tier": True}))
