@@ -5,9 +5,10 @@ The real command in a subprocess: warm-up conversations written by `furlong envs
 sample is an OpenAI-API agent's episode on its own session), with 40 SFT steps instead of 150
 and 12 GRPO steps instead of 40 (about 2.5 minutes). After so short a warm-up the model
 cannot yet copy reliably, so what rises within 12 steps is the habit the recipe teaches
-first: calling the tool (measured: 0.27 → 0.70 of episodes). The test asserts that the
-training reward and the share of episodes calling the tool rise, and that every trained
-sample came from a session (engine tokens, the tool's result masked out of the loss).
+first: calling the tool (two runs, first step to last: 0.27 → 0.70 and 0.41 → 0.67 of
+episodes). The test asserts that the training reward and the share of episodes calling the
+tool rise, and that every trained sample came from a session (engine tokens, the tool's
+result masked out of the loss).
 """
 
 from __future__ import annotations
@@ -53,8 +54,9 @@ def test_short_agent_calculator_run_learns_to_call_the_tool(tmp_path):
     samples = [json.loads(x) for f in sorted((run_dir / "samples").glob("step_*.jsonl"))
                for x in f.read_text().splitlines() if x.strip()]
     assert samples and all(s["metadata"].get("session_id") for s in samples)
-    called = [s for s in samples if s["reward"]["used_tool"] == 1.0]
-    assert called, "no episode called the tool"
+    # (an episode cut by the token budget right after its call never got the result back)
+    called = [s for s in samples if s["reward"]["used_tool"] == 1.0 and s["status"] == "completed"]
+    assert called, "no completed episode called the tool"
     for s in called[:20]:
         pairs = list(zip(s["token_sources"], s["loss_mask"]))
         assert ("tool", 0) in pairs and not any(src == "tool" and m for src, m in pairs)
