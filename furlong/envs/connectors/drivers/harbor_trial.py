@@ -19,9 +19,9 @@ Reply (stdout, last line): {"rewards": {...} | null, "trial_dir", "trial_name",
 The agent's model calls are plain chat completions (no token ids or log-probs are
 asked for): the endpoint furlong gives it is a TITO session, which records the exact
 tokens itself. A session refuses a turn once the trajectory's token budget is used
-up; that refusal is told to Harbor as a context-length error, which ends the agent's
-run without retries (as a full context window would), and the verifier then scores
-what the agent left behind.
+up, with OpenAI's `context_length_exceeded` code and wording; LiteLLM reads it as a full
+context window, so Harbor ends the agent's run without retries, and the verifier then
+scores what the agent left behind.
 """
 
 from __future__ import annotations
@@ -37,21 +37,6 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 LOCAL = "harbor_local_env:LocalEnvironment"
-BUDGET_REFUSAL = "token budget"  # what furlong's session server says when a trajectory's budget is used up
-
-
-def _budget_is_context_length() -> None:
-    """Make Harbor's LiteLLM wrapper read a session's budget refusal as a context-length error (no retries)."""
-    from harbor.llms.lite_llm import LiteLLM
-
-    original = LiteLLM._is_context_length_error
-
-    def is_context_length_error(self, error):  # noqa: ANN001 - Harbor's signature
-        return original(self, error) or BUDGET_REFUSAL in str(error)
-
-    LiteLLM._is_context_length_error = is_context_length_error
-
-
 def _load_local_environment() -> None:
     """Make `harbor_local_env` importable by name for Harbor, without putting the other drivers on sys.path."""
     import importlib.util
@@ -69,7 +54,6 @@ async def run(req: dict) -> dict:
     from harbor.trial.trial import Trial
 
     _load_local_environment()
-    _budget_is_context_length()
     env = req.get("environment") or "furlong-local"
     environment = (EnvironmentConfig(import_path=LOCAL) if env == "furlong-local"
                    else EnvironmentConfig(import_path=env) if ":" in env else EnvironmentConfig(type=env))
