@@ -45,13 +45,13 @@ test-extended: setup envs
 # warning (dead link or anchor, page missing from nav) fails. The banner about MkDocs 2.0 is
 # not a build warning; NO_MKDOCS_2_WARNING silences it.
 docs: setup
-	$(BIN)/python -m furlong.claims --write-reference
+	$(BIN)/python -m tools.claims --write-reference
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
 
 # Links, anchors, counts, figures, the feature manifest against the last JUnit report
 # (.reports/junit.xml, written by `make test`) and the staleness of generated pages.
 check-claims: setup
-	$(BIN)/python -m furlong.claims
+	$(BIN)/python -m tools.claims
 
 clean:
 	rm -rf $(VENV) .pytest_cache site

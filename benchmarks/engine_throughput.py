@@ -67,7 +67,7 @@ def bench_hf(path, prompts, new_tokens) -> float:
 def bench_engine(path, prompts, new_tokens) -> float:
     from furlong.engine.request import Request
     from furlong.engine.sampler import SamplingParams
-    from furlong.engine.scheduler import Engine
+    from furlong.engine.engine import Engine
 
     eng = Engine(path, max_running=len(prompts), kv_cache_mb=256).start()
     sp = lambda n: SamplingParams(max_new_tokens=n, temperature=0, ignore_eos=True)  # noqa: E731

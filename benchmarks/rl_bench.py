@@ -1,5 +1,5 @@
 """Shared by the RL benchmarks (`vs_trl.py`, `async_speedup.py`): one fixed amount of GRPO work,
-run by furlong's real driver (`furlong.train.run.Run`: Ray, router, engine process, trainer actor,
+run by furlong's real driver (`furlong.driver.run.Run`: Ray, router, engine process, trainer actor,
 weight sync), and its steady-state throughput read back from the run's `metrics.jsonl`.
 
 What is timed: the driver writes one `metrics.jsonl` line per RL step, stamped with the wall
@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from furlong.rollout.generate import RolloutContext, generate
-from furlong.rollout.sample import Sample
+from furlong.core.sample import Sample
 
 MODES = ("sync", "overlap", "async")
 
@@ -92,7 +92,7 @@ def run_furlong(work: Work, mode: str, run_dir: Path | None = None, extra: tuple
 
     `extra`: more `key=value` overrides, for trying a setting on the same work (e.g. `train.micro_batch_tokens=512`)."""
     from furlong.config import load_config
-    from furlong.train.run import Run
+    from furlong.driver.run import Run
 
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")

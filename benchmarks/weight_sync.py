@@ -105,7 +105,7 @@ def start_engine(model: Path, threads: int) -> tuple[subprocess.Popen, str]:
 def bench_model(name: str, path: Path, args, workdir: Path) -> list[dict]:
     from transformers import AutoModelForCausalLM
 
-    from furlong.weights.sync import make_sender
+    from furlong.weights.factory import make_sender
     from furlong.weights.checksums import verify
 
     base = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).state_dict()
@@ -154,7 +154,7 @@ def shm_anatomy(path: Path, bucket_mb: float) -> dict[str, float]:
     from transformers import AutoModelForCausalLM
 
     from furlong.weights.shm import unlink, write_segment
-    from furlong.weights.sync import buckets, nbytes
+    from furlong.weights.base import buckets, nbytes
     from furlong.weights.tensors import shm_views, write_shm
 
     sd = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).state_dict()

@@ -14,7 +14,7 @@ import sys
 # name -> ("module:function", one-line help). Order is the order shown in --help.
 COMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("furlong.demo:main", "build a small model and show it learning (what `make demo` runs)"),
-    "train": ("furlong.train.run:main", "run a recipe: furlong train RECIPE [key=value ...]"),
+    "train": ("furlong.driver.cli:main", "run a recipe: furlong train RECIPE [key=value ...]"),
     "serve": ("furlong.engine.cli:main", "start the built-in engine HTTP server"),
     "router": ("furlong.router.cli:main", "start the router in front of engine servers"),
     "dashboard": ("furlong.dashboard.cli:main", "serve the dashboard of a run directory"),

@@ -38,7 +38,7 @@ def write_demonstrations(path: Path, n: int, seed: int, flawed: float = 0.5, dif
 
 def main(argv: list[str]) -> int:
     from furlong.config import load_config
-    from furlong.train.run import Run
+    from furlong.driver.run import Run
 
     p = argparse.ArgumentParser(prog="furlong demo", description=__doc__.split("\n")[0])
     p.add_argument("overrides", nargs="*", help="dotted overrides of recipes/demo.yaml, e.g. train.total_steps=10")

@@ -2,7 +2,7 @@
 # Runs the whole suite. pytest's exit 5 ("no tests ran") is turned into a failure,
 # and a run that collected fewer tests than the floor below fails too, so an
 # import error that silently empties a directory can never pass as green. Then the claims
-# check (python -m furlong.claims) proves the README and docs against this run.
+# check (python -m tools.claims) proves the README and docs against this run.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 MIN_TESTS=${FURLONG_MIN_TESTS:-600}
@@ -18,4 +18,4 @@ echo "OK: $ran tests ran and passed"
 # manifest calls working/partial proven by tests that passed in the report just written. A run
 # of part of the suite (arguments given) only fails on listed tests that ran and did not pass.
 claims=(); [ $# -eq 0 ] || claims=(--partial-run)
-.venv/bin/python -m furlong.claims --junit "$report" "${claims[@]}" || { echo "FAIL: claims check" >&2; exit 1; }
+.venv/bin/python -m tools.claims --junit "$report" "${claims[@]}" || { echo "FAIL: claims check" >&2; exit 1; }

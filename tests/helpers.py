@@ -7,7 +7,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from furlong.cluster.processes import ManagedProcess, free_port, furlong_argv
+from furlong.core.processes import ManagedProcess, free_port, furlong_argv
 from furlong.models import create_model
 
 

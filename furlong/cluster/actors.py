@@ -8,7 +8,6 @@ here knows which: that is the promise of running one topology everywhere.
 from __future__ import annotations
 
 import os
-import time
 from typing import Any
 
 import ray
@@ -19,7 +18,7 @@ class ProcessActor:
     """Owns one server process (an engine or the router) on the node Ray placed it."""
 
     def __init__(self, name: str, argv: list[str], port: int, log_path: str, threads: int | None):
-        from furlong.cluster.processes import ManagedProcess
+        from furlong.core.processes import ManagedProcess
 
         host = "127.0.0.1" if "--host" not in argv else argv[argv.index("--host") + 1]
         self.proc = ManagedProcess(name, argv, f"http://{host}:{port}", log_path, threads)
@@ -50,7 +49,13 @@ class ProcessActor:
 
 @ray.remote
 class TrainerActor:
-    """One FSDP2 rank. Every rank receives the whole global batch (the trainer shards it itself)."""
+    """One FSDP2 rank. Every rank receives the whole global batch (the trainer shards it itself).
+
+    The actor keeps no weight version: the driver's `WeightVersion` owns it. It keeps only
+    whether its weights changed since the last successful push (`dirty`): a replaced engine
+    may be re-synced at the owner's version only while the weights are still exactly the
+    ones that version names.
+    """
 
     def __init__(self, rank: int, world_size: int, master_port: int, threads: int | None, seed: int):
         os.environ["MASTER_ADDR"] = "127.0.0.1"
@@ -59,11 +64,10 @@ class TrainerActor:
         self.trainer = None
         self.sender = None
         self.engine = None  # a colocated engine (cluster.colocate) lives here, in rank 0
-        # The version the engines stamp on exactly these weights; None once a step changed them
-        # and no sync has named the result yet (the supervisor's re-sync then waits for the next sync).
-        self.weights_version: int | None = 0
+        self.dirty = False  # the weights changed since the last push (the engines start on these very weights)
 
-    def build(self, model_dir: str, train_cfg: Any, algo_cfg: Any, temperature: float) -> int:
+    def build(self, model_dir: str, train_cfg: Any, algo_cfg: Any, temperature: float, hooks: Any = None) -> int:
+        """`hooks`: the trainer's resolved plug points (`furlong.train.hooks.TrainerHooks`), or None."""
         import torch
 
         from furlong.train.trainer import Trainer
@@ -71,31 +75,20 @@ class TrainerActor:
         if self.threads:
             torch.set_num_threads(self.threads)
         torch.manual_seed(self.seed)
-        self.trainer = Trainer(model_dir, train_cfg, algo_cfg, self.rank, self.world_size, temperature=temperature)
+        self.trainer = Trainer(model_dir, train_cfg, algo_cfg, self.rank, self.world_size, temperature=temperature,
+                               hooks=hooks)
         return os.getpid()
 
     def pid(self) -> int:
         return os.getpid()
 
-    def train_rollout(self, samples: list, step: int) -> dict:
-        """Optimiser steps on one rollout batch; rank 0 also returns per-token provenance for the event store."""
-        self.weights_version = None
-        t0 = time.time()
-        metrics = self.trainer.train_rollout(samples)
-        out = {"metrics": metrics, "span": (t0, time.time())}
-        batch = self.trainer.last_batch
-        if self.rank == 0:
-            n = [s.response_length for s in batch.samples]
-            if batch.advantages is not None:
-                out["advantages"] = [batch.advantages[i, : n[i]].tolist() for i in range(len(n))]
-            if batch.old_logprobs is not None:
-                out["train_logprobs"] = [batch.old_logprobs[i, : n[i]].tolist() for i in range(len(n))]
-            elif all(id(s) in self.trainer.seen_logprobs for s in batch.samples):  # rank 0 saw every sample
-                out["train_logprobs"] = [self.trainer.seen_logprobs[id(s)] for s in batch.samples]
-        return out
+    def train_rollout(self, samples: list) -> dict:
+        """Optimiser steps on one rollout batch: metrics, time span and (rank 0) per-token provenance."""
+        self.dirty = True
+        return self.trainer.train_rollout(samples)
 
     def sft_step(self, samples: list) -> dict[str, float]:
-        self.weights_version = None
+        self.dirty = True
         return self.trainer.sft_step(samples)
 
     def compute_logprobs(self, samples: list) -> list[list[float]]:
@@ -105,13 +98,13 @@ class TrainerActor:
         return str(self.trainer.save(path))
 
     def load(self, path: str) -> int:
-        self.weights_version = None
+        self.dirty = True
         self.trainer.load(path)
         return self.trainer.step
 
     def start_colocated_engine(self, model_dir: str, engine_args: dict, admin_token: str, port: int) -> str:
         """cluster.colocate: the engine shares this process (and its device) with rank 0."""
-        from furlong.engine.scheduler import Engine
+        from furlong.engine.engine import Engine
         from furlong.engine.server import ServerThread
 
         engine = Engine(model_dir, **engine_args)
@@ -133,14 +126,13 @@ class TrainerActor:
         except Exception:
             self._drop_sender()  # an engine died under it: the next push reconnects
             raise
-        self.weights_version = version
+        self.dirty = False
         return {k: v for k, v in vars(report).items() if isinstance(v, (int, float, str))}
 
-    def resync_engine(self, transport: str, url: str, admin_token: str, opts: dict) -> int | None:
-        """Give a replaced engine these weights at their version; None if no sync has named them yet."""
-        if self.weights_version is None:
+    def resync_engine(self, transport: str, url: str, admin_token: str, version: int, opts: dict) -> int | None:
+        """Give a replaced engine these weights as `version` (the owner's); None if they changed since the last push."""
+        if self.dirty:
             return None
-        version = self.weights_version
         self.push_weights(transport, [url], admin_token, version, opts)
         return version
 

@@ -1,6 +1,6 @@
-"""The supervisor: a dead or hung engine is replaced while the run goes on; a dead trainer stops cleanly.
+"""The engine supervisor: a dead or hung engine is replaced while the run goes on.
 
-Engines (`EngineSupervisor`, an asyncio task in the driver). Every
+`EngineSupervisor` is an asyncio task in the driver. Every
 `router.health_interval_s` each serving engine is probed twice over: its
 `ProcessActor.alive()` (did the process exit?) and `GET /health` with a
 `router.health_timeout_s` timeout (is it answering? a SIGSTOPped engine is alive
@@ -9,60 +9,61 @@ but silent). An exited process is replaced at once; a silent one after
 
     POST router /remove_engine        the router must not re-admit it on health alone
     ProcessActor.restart()            SIGTERM, then SIGKILL; same command, same port
-    trainer.resync_engine(url)        the trainer's current weights, at their version
+    trainers.resync_engine(url, v)    the trainer's weights, as the run's current version v
     POST router /add_engine           serving again, only now
 
-Why the re-sync asks the trainer for *its* version instead of pushing the driver's:
-between `train_rollout` and the next weight sync the trainer holds weights that no
-version names yet. Ray runs one trainer call at a time, in order, so the trainer
-itself knows whether its weights are exactly those of the last sync; if they are
-not, it declines, and the engine joins the next weight sync instead (state
-`pending`), which every engine that is up takes part in. Either way an engine
-serves only weights whose version it stamps.
+Why the trainer may decline the re-sync: the version comes from the run's one
+`WeightVersion` owner, but between `train_rollout` and the next weight sync the
+trainer holds weights that no version names yet. Ray runs one trainer call at a
+time, in order, so the trainer itself knows whether its weights changed since its
+last push; if they did, it declines, and the engine joins the next weight sync
+instead (state `pending`), which every engine that is up takes part in. Either way
+an engine serves only weights whose version it stamps.
 
 Requests in flight on the dead engine fail at the transport; the router retries
 them on another engine, and the rollout manager regenerates a sample whose
 retries ran out (its accounting counts each prompt exactly once either way).
 
 Weight syncs go through `sync_weights`: pause, push to every engine that is up,
-continue (control calls go to each engine directly, so a failure names its
-engine) — and if an engine dies in the middle, it is found, handed to
-replacement, and the sync is done again without it. A lock keeps a sync and a
-re-sync from interleaving.
+continue (control calls go to each engine directly, through `EngineClient`, so a
+failure names its engine) — and if an engine dies in the middle, it is found,
+handed to replacement, and the sync is done again without it. The moment the
+trainer's push succeeds, the sync advances the run's `WeightVersion` (under the
+lock, so a re-sync never stamps new weights with the old version). A lock keeps a
+sync and a re-sync from interleaving.
 
-Trainer (`run_with_restarts`). A trainer rank that dies surfaces as `TrainerDied`
-from the topology's calls. Without `cluster.auto_restart` the run stops with
-`RunStopped`, naming the last complete checkpoint and the `--resume` command. With
-it, the whole topology is brought down and the run resumes from that checkpoint,
-at most `MAX_TRAINER_RESTARTS` times: the checkpoint holds the trainer's and the
-driver's full state, so the resumed run trains exactly what the uninterrupted one
-would have (tested: final weights are equal).
+A dead trainer is not this module's: `TrainerDied` passes through to the driver's
+restart policy (`furlong.driver.restarts`).
 """
 
 from __future__ import annotations
 
 import asyncio
-import sys
 import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import httpx
 
+from furlong.cluster.trainer_group import TrainerDied
+from furlong.core.client import EngineClient
+from furlong.core.version import WeightVersion
+
+if TYPE_CHECKING:
+    from furlong.cluster.topology import Topology
+    from furlong.config.schema import RouterConfig, WeightsConfig
+
 OK, RESTARTING, PENDING, FAILED = "ok", "restarting", "pending", "failed"
 MAX_RESTART_ATTEMPTS = 3  # per fault: a restart that keeps failing leaves the engine out
-MAX_TRAINER_RESTARTS = 3  # cluster.auto_restart: bounded, so a crash loop ends
 SYNC_ATTEMPTS = 3  # a weight sync is retried while engines keep dying under it
+CONTROL_TIMEOUT_S = 60.0  # pause / continue of one engine
 
 
-class TrainerDied(RuntimeError):
-    """A trainer rank's process died (Ray reports the actor dead)."""
-
-
-class RunStopped(RuntimeError):
-    """The run cannot go on; the message says why and how to continue."""
+class EnginesLost(RuntimeError):
+    """Every engine is gone and none could be restarted: the run cannot go on."""
 
 
 @dataclass
@@ -79,13 +80,17 @@ class EngineSlot:
 class EngineSupervisor:
     """Health checks, replacement and weight syncs for the engines of one run (see the module docstring)."""
 
-    def __init__(self, top: Any, cfg: Any, admin_token: str, run_dir: Any, note: Callable[[str], None] = print):
-        self.top, self.cfg, self.token, self.note = top, cfg, admin_token, note
-        r, w = cfg.router, cfg.weights
+    def __init__(self, top: Topology, *, router: RouterConfig, weights: WeightsConfig, pause_mode: str,
+                  admin_token: str, run_dir: Path, version: WeightVersion, note: Callable[[str], None] = print):
+        """`version`: the run's weight-version owner; syncs advance it, re-syncs stamp engines with it."""
+        self.top, self.trainers, self.token, self.note = top, top.trainers, admin_token, note
+        self.pause_mode, self.version = pause_mode, version
+        r = router
         self.interval, self.timeout, self.unhealthy_after = r.health_interval_s, r.health_timeout_s, r.unhealthy_after
-        self.push_args = (w.transport, {"bucket_mb": w.bucket_mb, "run_dir": str(run_dir), "verify": w.verify})
+        self.transport = weights.transport
+        self.push_opts = {"bucket_mb": weights.bucket_mb, "run_dir": str(run_dir), "verify": weights.verify}
         self.slots = [EngineSlot(i, u.rstrip("/"), a) for i, (u, a) in enumerate(zip(top.engine_urls, top.engines))]
-        self.version = 0
+        self._clients: dict[str, EngineClient] = {}  # control calls (pause / continue), one client per engine
         self.counts: Counter[str] = Counter()
         self.faults: list[dict[str, Any]] = []  # one record per fault: engine, cause, seconds to recover
         self._lock = asyncio.Lock()
@@ -106,6 +111,9 @@ class EngineSupervisor:
         await asyncio.gather(*tasks, return_exceptions=True)
         self._task = None
         await self._http.aclose()
+        for client in self._clients.values():
+            await client.aclose()
+        self._clients.clear()
 
     def stats(self) -> dict[str, Any]:
         return {"engines": {s.url: s.state for s in self.slots}, **self.counts, "fault_log": list(self.faults)}
@@ -190,14 +198,15 @@ class EngineSupervisor:
                     await asyncio.sleep(self.interval)
             else:
                 s.state = FAILED
-                self.note(f"engine-{s.index}: gave up after {MAX_RESTART_ATTEMPTS} restarts; the run goes on without it")
+                self.note(f"engine-{s.index}: gave up after {MAX_RESTART_ATTEMPTS} restarts; "
+                          "the run goes on without it")
                 return
             s.state = PENDING
             async with self._lock:
                 if s.state != PENDING:  # a weight sync took it in meanwhile
                     return
-                transport, opts = self.push_args
-                version = await self.top.acall("resync_engine", transport, s.url, self.token, opts)
+                version = await self.trainers.resync_engine(s.url, self.version.current, transport=self.transport,
+                                                            admin_token=self.token, opts=self.push_opts)
                 if version is None:
                     self.counts["resyncs_deferred"] += 1  # the trainer is mid-step: the next sync takes it in
                     return
@@ -214,7 +223,7 @@ class EngineSupervisor:
         self.counts["replacements"] += 1
         if s.fault is not None:
             s.fault.update(recovered=True, seconds=round(time.monotonic() - s.since, 2))
-        self.note(f"engine-{s.index} ({s.url}) replaced, re-synced to v{self.version} and serving again")
+        self.note(f"engine-{s.index} ({s.url}) replaced, re-synced to v{self.version.current} and serving again")
 
     async def _router(self, path: str, url: str) -> None:
         r = await self._http.post(self.top.router_url + path, json={"url": url},
@@ -229,22 +238,26 @@ class EngineSupervisor:
     async def _some_engine_up(self) -> None:
         while self.slots and not self._targets():  # all being replaced: the run waits for the first one back
             if all(s.state == FAILED for s in self.slots):
-                raise RunStopped("weight sync: no engine is left (every restart failed); see RUN_DIR/logs/engine-*.log")
+                raise EnginesLost("weight sync: no engine is left (every restart failed); "
+                                  "see RUN_DIR/logs/engine-*.log")
             await asyncio.sleep(0.1)
 
-    async def _control(self, urls: list[str], path: str, body: dict[str, Any]) -> None:
+    def _client(self, url: str) -> EngineClient:
+        if url not in self._clients:
+            self._clients[url] = EngineClient(url, admin_token=self.token, timeout_s=CONTROL_TIMEOUT_S)
+        return self._clients[url]
+
+    async def _control(self, urls: list[str], what: str, call: Callable[[EngineClient], Any]) -> None:
         """A control call to each engine directly (not through the router): a failure names its engine."""
-        auth = {"Authorization": f"Bearer {self.token}"}
-        out = await asyncio.gather(*(self._http.post(u + path, json=body, headers=auth, timeout=60.0) for u in urls),
-                                   return_exceptions=True)
-        bad = [f"{u}: {r}" if isinstance(r, BaseException) else f"{u}: HTTP {r.status_code}"
-               for u, r in zip(urls, out) if isinstance(r, BaseException) or r.status_code != 200]
+        out = await asyncio.gather(*(call(self._client(u)) for u in urls), return_exceptions=True)
+        bad = [f"{u}: {r}" for u, r in zip(urls, out) if isinstance(r, BaseException)]
         if bad:
-            raise RuntimeError(f"{path} failed on {'; '.join(bad)}")
+            raise RuntimeError(f"{what} failed on {'; '.join(bad)}")
 
     async def sync_weights(self, version: int) -> dict[str, Any]:
-        """Pause, push `version` to every engine that is up, continue; an engine dying mid-sync is replaced."""
-        transport, opts = self.push_args
+        """Pause, push `version` to every engine that is up, continue; an engine dying mid-sync is replaced.
+
+        The run's `WeightVersion` advances to `version` as soon as the trainer's push succeeded."""
         last: Exception | None = None
         for _ in range(SYNC_ATTEMPTS):
             await self._some_engine_up()
@@ -254,11 +267,13 @@ class EngineSupervisor:
                 try:
                     if not urls:
                         raise RuntimeError("every engine went down just before the sync")
-                    await self._control(urls, "/pause_generation", {"mode": self.cfg.engine.pause_mode})
+                    await self._control(urls, "pause", lambda c: c.pause(self.pause_mode))
                     try:
-                        report = await self.top.acall("push_weights", transport, urls, self.token, version, opts)
+                        report = await self.trainers.push_weights(urls, version, transport=self.transport,
+                                                                  admin_token=self.token, opts=self.push_opts)
+                        self.version.advance(version)  # the trainer's weights are `version` now, on every target
                     finally:
-                        await self._control(urls, "/continue_generation", {})
+                        await self._control(urls, "continue", lambda c: c.resume())
                 except TrainerDied:
                     raise
                 except Exception as e:  # noqa: BLE001 - an engine failing under the sync, or a real error
@@ -268,7 +283,6 @@ class EngineSupervisor:
                         raise  # no engine died: not ours to hide
                     self.counts["syncs_retried"] += 1
                     continue
-                self.version = version
                 for s in targets:
                     if s.state == PENDING:  # restarted while the trainer was mid-step: it has the weights now
                         await self._admit(s)
@@ -276,39 +290,3 @@ class EngineSupervisor:
         assert last is not None
         raise last
 
-
-def check_finite(per_opt: list[dict[str, float]], limit: int, step: int, note: Callable[[str], None]) -> None:
-    """Warn about skipped non-finite optimiser steps; stop the run after `limit` in a row."""
-    skipped = sum(int(m.get("nonfinite/skipped", 0)) for m in per_opt)
-    streak = int(per_opt[-1].get("nonfinite/streak", 0)) if per_opt else 0
-    if skipped:
-        note(f"warning: RL step {step}: loss or gradient was NaN/inf in {skipped} optimiser step(s); "
-             f"skipped them (weights unchanged), {streak} in a row")
-    if streak >= limit:
-        raise RunStopped(f"the loss was NaN/inf in {streak} optimiser steps in a row (train.max_nonfinite_steps="
-                         f"{limit}), at RL step {step}; the weights are those of the last finite step. Check the "
-                         "rewards, the learning rate and any loss or before_train_step plug point")
-
-
-async def run_with_restarts(run: Any) -> dict[str, Any]:
-    """`run.run()`; a dead trainer stops it cleanly, or with `cluster.auto_restart` resumes it from its checkpoint."""
-    from furlong.train.run import latest_checkpoint
-
-    restarts = 0
-    while True:
-        try:
-            result = await run.run()
-            result["trainer_restarts"] = restarts
-            return result
-        except TrainerDied as e:
-            ckpt = latest_checkpoint(run.run_dir)
-            where = f"the last complete checkpoint is {ckpt}" if ckpt else "no checkpoint was complete yet"
-            if not run.cfg.cluster.auto_restart:
-                raise RunStopped(f"{e}; the run stopped: {where}. Continue it with "
-                                 f"`furlong train --resume {run.run_dir}` (or set cluster.auto_restart=true)") from e
-            if restarts >= MAX_TRAINER_RESTARTS:
-                raise RunStopped(f"{e}; gave up after {restarts} automatic restarts: {where}") from e
-            restarts += 1
-            print(f"furlong {e}; restarting the trainer group from {ckpt or 'step 0'} "
-                         f"(automatic restart {restarts}/{MAX_TRAINER_RESTARTS})", file=sys.stderr)
-            run = type(run)(run.cfg, resume=True, progress=run.progress)

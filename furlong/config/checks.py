@@ -11,14 +11,36 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+from collections.abc import Callable
 from fractions import Fraction
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from furlong.config.schema import Config
+from typing import Any, Protocol
 
 Problem = tuple[tuple[str, ...], str]
+
+
+class ConfigView(Protocol):
+    """What `resolve` and `check` read of a whole config; `schema.Config` is the one implementation.
+
+    Declared here rather than imported: `schema.Config` calls these functions from its validator,
+    so importing the schema back would close an import loop inside config/. The sections are read
+    by attribute (`cfg.rollout.mode`); their types live in `schema.py`.
+    """
+
+    name: str
+    run_dir: str
+    model_fields_set: set[str]
+    model: Any
+    data: Any
+    rollout: Any
+    engine: Any
+    train: Any
+    algo: Any
+    weights: Any
+    cluster: Any
+    observe: Any
+    envs: Any
+
 
 # Values each algorithm implies, applied only where the user did not set the field.
 # The schema's own defaults are GRPO's, so a preset lists only what differs or matters.
@@ -68,11 +90,11 @@ def installed(module: str) -> bool:
     return importlib.util.find_spec(module) is not None
 
 
-def _set(cfg: "Config", section: str, field: str) -> bool:
+def _set(cfg: ConfigView, section: str, field: str) -> bool:
     return field in getattr(cfg, section).model_fields_set
 
 
-def resolve(cfg: "Config") -> list[Problem]:
+def resolve(cfg: ConfigView) -> list[Problem]:
     """Fill derived fields in place; returns problems found while deriving."""
     if "run_dir" not in cfg.model_fields_set:
         cfg.run_dir = f"runs/{cfg.name}"
@@ -92,7 +114,7 @@ def resolve(cfg: "Config") -> list[Problem]:
     return _resolve_batch(cfg)
 
 
-def _resolve_batch(cfg: "Config") -> list[Problem]:
+def _resolve_batch(cfg: ConfigView) -> list[Problem]:
     """Invariant: rollout_batch_size × n_samples_per_prompt = global_batch_size × num_steps_per_rollout."""
     dotted = [f"{s}.{f}" for s, f in BATCH_FIELDS]
     value = {d: getattr(getattr(cfg, s), f) for d, (s, f) in zip(dotted, BATCH_FIELDS)}
@@ -135,22 +157,28 @@ def _resolve_batch(cfg: "Config") -> list[Problem]:
     return []
 
 
-def check(cfg: "Config") -> list[Problem]:
-    """Every cross-field contradiction of a resolved config."""
+Bad = Callable[[tuple[str, ...], str], None]  # records one problem: (fields, message)
+
+
+def check(cfg: ConfigView) -> list[Problem]:
+    """Every cross-field contradiction of a resolved config, all at once, in a stable order."""
     out: list[Problem] = []
+    for part in (_check_rollout, _check_algo, _check_train, _check_not_built, _check_hardware, _check_data):
+        part(cfg, lambda fields, msg: out.append((fields, msg)))
+    return out
 
-    def bad(fields: tuple[str, ...], msg: str) -> None:
-        out.append((fields, msg))
 
-    ro, tr, algo, data, eng = cfg.rollout, cfg.train, cfg.algo, cfg.data, cfg.engine
-
-    # --- rollout mode and staleness
+def _check_rollout(cfg: ConfigView, bad: Bad) -> None:
+    """The async spectrum, multi-turn and routing replay."""
+    ro = cfg.rollout
     if ro.partial_rollout and ro.mode == "sync":
         bad(("rollout.partial_rollout", "rollout.mode"),
-            "rollout.partial_rollout=true needs rollout.mode=async or overlap (got sync: nothing is in flight at a weight sync)")
+            "rollout.partial_rollout=true needs rollout.mode=async or overlap "
+            "(got sync: nothing is in flight at a weight sync)")
     if ro.mode == "sync" and ro.max_staleness > 0:
         bad(("rollout.max_staleness", "rollout.mode"),
-            f"rollout.max_staleness={ro.max_staleness} needs rollout.mode=async or overlap (sync is always 0 versions stale)")
+            f"rollout.max_staleness={ro.max_staleness} needs rollout.mode=async or overlap "
+            "(sync is always 0 versions stale)")
     if ro.mode == "overlap" and ro.max_staleness == 0:
         bad(("rollout.max_staleness", "rollout.mode"),
             "rollout.mode=overlap generates batch k+1 while training on batch k, so samples are 1 version stale: "
@@ -164,14 +192,18 @@ def check(cfg: "Config") -> list[Problem]:
         bad(("rollout.routing_replay", "model.arch"),
             f"rollout.routing_replay=true replays MoE expert routing; model.arch={cfg.model.arch} has no experts")
 
-    # --- algorithm
+
+def _check_algo(cfg: ConfigView, bad: Bad) -> None:
+    """The algorithm and its estimator, ratio, reducer and correction."""
+    algo, ro = cfg.algo, cfg.rollout
     if algo.name == "ppo" and algo.advantage != "gae":
         bad(("algo.name", "algo.advantage"), f"algo.name=ppo needs algo.advantage=gae (got {algo.advantage})")
     if algo.advantage == "gae" and algo.name != "ppo":
         bad(("algo.advantage", "algo.name"),
             f"algo.advantage=gae needs a critic, which only algo.name=ppo trains (got {algo.name})")
     if algo.name in ("sft", "distill") and algo.advantage != "none":
-        bad(("algo.advantage", "algo.name"), f"algo.name={algo.name} uses no advantage estimator; algo.advantage must be none")
+        bad(("algo.advantage", "algo.name"),
+            f"algo.name={algo.name} uses no advantage estimator; algo.advantage must be none")
     if algo.name not in ("sft", "distill") and algo.advantage == "none":
         bad(("algo.advantage", "algo.name"),
             f"algo.advantage=none gives every token zero advantage, so algo.name={algo.name} would learn nothing")
@@ -179,7 +211,8 @@ def check(cfg: "Config") -> list[Problem]:
         bad(("algo.norm_adv_by_std", "algo.advantage"),
             "algo.advantage=dr_grpo never divides by the group std; algo.norm_adv_by_std=true contradicts it")
     if algo.name == "gspo" and algo.ratio_type != "sequence":
-        bad(("algo.ratio_type", "algo.name"), "algo.name=gspo is defined by a sequence-level ratio; algo.ratio_type must be sequence")
+        bad(("algo.ratio_type", "algo.name"),
+            "algo.name=gspo is defined by a sequence-level ratio; algo.ratio_type must be sequence")
     if algo.reducer_constant is not None and algo.loss_reducer != "constant":
         bad(("algo.reducer_constant", "algo.loss_reducer"),
             f"algo.reducer_constant is only used by algo.loss_reducer=constant (got {algo.loss_reducer})")
@@ -190,11 +223,15 @@ def check(cfg: "Config") -> list[Problem]:
         bad(("algo.teacher_path",), "algo.name=distill needs algo.teacher_path (a local model directory)")
     needs_groups = algo.advantage in GROUP_ADVANTAGES or ro.dynamic_filter
     if needs_groups and algo.name not in ("sft", "distill") and ro.n_samples_per_prompt < 2:
-        why = "rollout.dynamic_filter=true drops" if ro.dynamic_filter else f"algo.advantage={algo.advantage} gives zero advantage to"
+        why = ("rollout.dynamic_filter=true drops" if ro.dynamic_filter
+               else f"algo.advantage={algo.advantage} gives zero advantage to")
         bad(("rollout.n_samples_per_prompt", "rollout.dynamic_filter" if ro.dynamic_filter else "algo.advantage"),
             f"rollout.n_samples_per_prompt=1: {why} every group of one sample; use 2 or more")
 
-    # --- training
+
+def _check_train(cfg: ConfigView, bad: Bad) -> None:
+    """The schedule and what a weight transport can carry."""
+    tr = cfg.train
     total_opt = tr.total_steps * tr.num_steps_per_rollout
     if tr.warmup_steps > total_opt:
         bad(("train.warmup_steps", "train.total_steps"),
@@ -203,13 +240,18 @@ def check(cfg: "Config") -> list[Problem]:
     if tr.lora.enabled and cfg.weights.transport == "p2p":
         bad(("train.lora.enabled", "weights.transport"),
             "train.lora.enabled=true syncs weights merged from the base and the adapters, which "
-            "weights.transport=p2p (each rank sends its own shards of the base) cannot carry; use shm, broadcast, disk or delta")
+            "weights.transport=p2p (each rank sends its own shards of the base) cannot carry; "
+            "use shm, broadcast, disk or delta")
 
-    # --- accepted by the schema, not built yet: refuse rather than silently ignore
+
+def _check_not_built(cfg: ConfigView, bad: Bad) -> None:
+    """Settings the schema accepts but nothing builds yet: refused rather than silently ignored."""
+    ro, tr, eng = cfg.rollout, cfg.train, cfg.engine
     not_built = [
         ("engine.quantization", eng.quantization != "none", "quantised rollout weights (FP8/MXFP8/NVFP4)"),
         ("train.qat", tr.qat != "none", "INT4 quantisation-aware training"),
-        ("rollout.routing_replay", ro.routing_replay, "replaying MoE routing in the trainer (engines already record it)"),
+        ("rollout.routing_replay", ro.routing_replay,
+         "replaying MoE routing in the trainer (engines already record it)"),
         ("rollout.rollout_fn", ro.rollout_fn is not None, "replacing the whole rollout step"),
         ("train.convert_fn", tr.convert_fn is not None, "a custom samples-to-train-batch conversion"),
     ]
@@ -217,7 +259,10 @@ def check(cfg: "Config") -> list[Problem]:
         if used:
             bad((field,), f"{field}: {what} is not built yet; remove the setting (see docs/features.yaml for status)")
 
-    # --- hardware
+
+def _check_hardware(cfg: ConfigView, bad: Bad) -> None:
+    """GPUs and optional packages the settings need."""
+    tr, eng = cfg.train, cfg.engine
     gpu_users = []
     if tr.backend == "nccl":
         gpu_users.append(("train.backend", "train.backend=nccl"))
@@ -233,14 +278,19 @@ def check(cfg: "Config") -> list[Problem]:
             "and none is visible "
             "(on CPU use train.backend=gloo or auto, engine.backend=builtin)")
     if eng.backend == "sglang" and not installed("sglang"):
-        bad(("engine.backend",), "engine.backend=sglang but the sglang package is not installed (pip install 'furlong[gpu]')")
+        bad(("engine.backend",),
+            "engine.backend=sglang but the sglang package is not installed (pip install 'furlong[gpu]')")
     for flag in ("wandb", "mlflow"):
         if getattr(cfg.observe, flag) and not installed(flag):
             bad((f"observe.{flag}",), f"observe.{flag}=true but the {flag} package is not installed")
     if cfg.observe.dashboard and not cfg.observe.event_store:
-        bad(("observe.dashboard", "observe.event_store"), "observe.dashboard=true reads the event store; set observe.event_store=true")
+        bad(("observe.dashboard", "observe.event_store"),
+            "observe.dashboard=true reads the event store; set observe.event_store=true")
 
-    # --- data and files
+
+def _check_data(cfg: ConfigView, bad: Bad) -> None:
+    """Data, eval data, environments and the files they name."""
+    algo, ro, data = cfg.algo, cfg.rollout, cfg.data
     if data.path is not None and data.task is not None:
         bad(("data.path", "data.task"), "set one of data.path and data.task, not both")
     if data.path is None and data.task is None and algo.name != "distill":
@@ -251,7 +301,8 @@ def check(cfg: "Config") -> list[Problem]:
         bad(("rollout.eval_every", "data.eval_path"),
             f"rollout.eval_every={ro.eval_every} but there is no eval data: set data.eval_path or data.eval_task")
     if cfg.envs.name and cfg.envs.environment:
-        bad(("envs.name", "envs.environment"), "set one of envs.name (built-in) and envs.environment (custom), not both")
+        bad(("envs.name", "envs.environment"),
+            "set one of envs.name (built-in) and envs.environment (custom), not both")
     for field, value, kind in (
         ("model.path", cfg.model.path, "dir"),
         ("algo.teacher_path", algo.teacher_path, "dir"),
@@ -265,4 +316,3 @@ def check(cfg: "Config") -> list[Problem]:
             bad((field,), f"{field}: {value!r} does not exist (relative paths are relative to {Path.cwd()})")
         elif kind == "dir" and not p.is_dir():
             bad((field,), f"{field}: {value!r} is not a directory")
-    return out

@@ -62,7 +62,9 @@ def load_config(recipe: str | Path | None = None, overrides: list[str] | tuple[s
     raise ConfigError(override_problems + problems, origin)
 
 
-def parse_overrides(overrides: list[str] | tuple[str, ...], raw: dict[str, Any]) -> tuple[list[Problem], dict[str, str]]:
+def parse_overrides(
+    overrides: list[str] | tuple[str, ...], raw: dict[str, Any]
+) -> tuple[list[Problem], dict[str, str]]:
     """Apply `a.b.c=value` items to `raw` in place; values are parsed as YAML."""
     problems: list[Problem] = []
     sources: dict[str, str] = {}
@@ -126,7 +128,8 @@ def _read_recipe(path: Path) -> tuple[dict[str, Any], dict[str, str], list[Probl
     if data is None:
         return {}, {}, []
     if not isinstance(data, dict):
-        raise ConfigError([((str(path),), f"{path}: a recipe must be a mapping of sections, got {type(data).__name__}")])
+        why = f"{path}: a recipe must be a mapping of sections, got {type(data).__name__}"
+        raise ConfigError([((str(path),), why)])
     sources: dict[str, str] = {}
     problems: list[Problem] = []
     _map_lines(node, "", path, sources, problems)

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import copy
 import difflib
-import re
 import typing
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -25,10 +24,18 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-# `package.module:attr` or `package.module:Class.attr`
-PLUGIN_PATH_RE = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")
+from furlong.config.checks import check, resolve
+from furlong.core.api import PauseMode
+from furlong.core.plugins import PLUGIN_PATH_RE
 
+# Choices named once here keep each field on one line: the config reference (tools/claims/reference.py)
+# takes a field's description from its trailing comment, which a wrapped line would lose.
 Dtype = Literal["float32", "bfloat16", "float16"]
+RouterPolicy = Literal["least_inflight", "round_robin", "session_affinity"]
+LossReducer = Literal["token_mean", "sample_mean", "constant"]
+CorrectionName = Literal["none", "tis", "mis", "icepop", "opsm"]
+CorrectionLevel = Literal["token", "sequence", "geometric"]
+Transport = Literal["shm", "broadcast", "p2p", "disk", "delta"]
 
 
 class ConfigError(Exception):
@@ -149,7 +156,7 @@ class EngineConfig(Section):
     max_running: int = Field(64, ge=1)  # requests decoded together per engine
     max_context: int | None = Field(None, ge=1)  # None -> the model's max positions
     prefix_cache: bool = True
-    pause_mode: Literal["retract", "in_place", "abort"] = "retract"  # at a weight sync: requeue, freeze or abort
+    pause_mode: PauseMode = "retract"  # at a weight sync: requeue, freeze or abort
     host: str = "127.0.0.1"  # engines bind here
     port_base: int = Field(0, ge=0, le=65535)  # engine i listens on port_base + i; 0 = free ports
 
@@ -157,7 +164,7 @@ class EngineConfig(Section):
 class RouterConfig(Section):
     """The router in front of the engines: balancing, sessions, health checks, retries."""
 
-    policy: Literal["least_inflight", "round_robin", "session_affinity"] = "least_inflight"  # how requests pick an engine
+    policy: RouterPolicy = "least_inflight"  # how requests pick an engine
     host: str = "127.0.0.1"
     port: int = Field(0, ge=0, le=65535)  # 0 = a free port
     health_interval_s: float = Field(1.0, gt=0)  # seconds between health checks
@@ -235,10 +242,10 @@ class AlgoConfig(Section):
     kl_type: Literal["k1", "k2", "k3"] = "k3"  # KL estimator: k1 log-ratio, k2 squared, k3 low-variance
     kl_in_reward: bool = False  # fold KL into the reward instead of the loss
     entropy_coef: float = Field(0.0, ge=0)  # entropy bonus weight
-    loss_reducer: Literal["token_mean", "sample_mean", "constant"] = "sample_mean"  # how per-token losses become a scalar
+    loss_reducer: LossReducer = "sample_mean"  # how per-token losses become a scalar
     reducer_constant: float | None = Field(None, gt=0)  # `constant` reducer; None -> rollout.max_new_tokens
-    correction: Literal["none", "tis", "mis", "icepop", "opsm"] = "none"  # off-policy correction for rollout/train mismatch
-    correction_level: Literal["token", "sequence", "geometric"] = "token"  # ratio per token, per sequence, or geometric mean
+    correction: CorrectionName = "none"  # off-policy correction for rollout/train mismatch
+    correction_level: CorrectionLevel = "token"  # ratio per token, per sequence, or geometric mean
     correction_mode: Literal["truncate", "mask"] = "truncate"  # clip weights, or mask tokens out of bounds
     correction_low: float = Field(0.5, ge=0)  # lower bound of the importance weight
     correction_high: float = Field(2.0, gt=0)  # upper bound of the importance weight
@@ -252,7 +259,7 @@ class AlgoConfig(Section):
 class WeightsConfig(Section):
     """Weight sync from trainer to engines."""
 
-    transport: Literal["shm", "broadcast", "p2p", "disk", "delta"] = "shm"  # shm: same node; p2p: per shard; delta: checksummed
+    transport: Transport = "shm"  # shm: same node; p2p: per shard; delta: checksummed
     bucket_mb: int = Field(64, ge=1)  # tensors are sent in buckets of this size
     verify: bool = False  # compare engine and trainer checksums after every sync
 
@@ -333,9 +340,7 @@ class Config(Section):
     envs: EnvsConfig = Field(default_factory=EnvsConfig)
 
     @model_validator(mode="after")
-    def _resolve_and_check(self) -> "Config":
-        from furlong.config.checks import check, resolve
-
+    def _resolve_and_check(self) -> Config:
         problems = resolve(self)
         problems += check(self)
         if problems:
@@ -343,7 +348,7 @@ class Config(Section):
         return self
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any], origin: str = "") -> "Config":
+    def from_dict(cls, data: dict[str, Any], origin: str = "") -> Config:
         """Validate a plain dict; every failure becomes one ConfigError naming dotted fields."""
         data = copy.deepcopy(data)
         problems = pop_unknown(data, cls, "")  # first, so pydantic reports only real type errors

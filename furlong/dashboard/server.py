@@ -23,7 +23,7 @@ from fastapi import Path as PathParam
 from fastapi.responses import FileResponse, JSONResponse
 from fastapi.staticfiles import StaticFiles
 
-from furlong.app_thread import AppThread
+from furlong.core.app_thread import AppThread
 from furlong.observe.advisories import advise
 from furlong.observe.reader import RunError, RunReader
 from furlong.observe.store import PHASES

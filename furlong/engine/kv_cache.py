@@ -10,6 +10,10 @@ before it, so two requests whose token prefixes agree map to the same blocks.
 When a request finishes its full blocks stay cached (evictable, LRU) instead
 of being freed, so the next turn of an agent session — whose prompt is the
 previous prompt + response + new text — skips recomputing them.
+
+`prefix_cache=False` (`engine.prefix_cache`, `--no-prefix-cache`) turns reuse off: no
+block is ever named, so every prompt is computed in full — for measuring cold-prefill
+cost, or when cached KV must never be shared between requests.
 """
 
 from __future__ import annotations
@@ -18,11 +22,12 @@ from collections import OrderedDict, deque
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int, block_size: int):
+    def __init__(self, num_blocks: int, block_size: int, prefix_cache: bool = True):
         if num_blocks < 1:
             raise ValueError("--kv-cache-mb: budget too small for one KV block")
         self.num_blocks = num_blocks
         self.block_size = block_size
+        self.prefix_cache = prefix_cache
         self.ref = [0] * num_blocks
         self.free: deque[int] = deque(range(num_blocks))
         self.evictable: OrderedDict[int, None] = OrderedDict()  # ref 0 but holding a cached prefix
@@ -67,8 +72,11 @@ class BlockPool:
         """Take references on the cached blocks that cover a prefix of `tokens`.
 
         Only prefixes of `tokens[:-1]` are matched: the last token must be
-        computed to produce the next-token logits. Returns (blocks, hashes).
+        computed to produce the next-token logits. Returns (blocks, hashes);
+        nothing with the prefix cache off.
         """
+        if not self.prefix_cache:
+            return [], []
         bs, blocks, hashes, h = self.block_size, [], [], 0
         for i in range((len(tokens) - 1) // bs):
             h = self.chain(h, tokens[i * bs : (i + 1) * bs])
@@ -84,7 +92,13 @@ class BlockPool:
         return blocks, hashes
 
     def register(self, blocks: list[int], hashes: list[int], tokens: list[int], n_cached: int) -> None:
-        """Name every block that became full (all its KV written); extends `hashes` in place."""
+        """Name every block that became full (all its KV written); extends `hashes` in place.
+
+        With the prefix cache off no block is named, so a finished request's blocks go
+        straight back to the free list instead of lingering as evictable.
+        """
+        if not self.prefix_cache:
+            return
         bs = self.block_size
         for i in range(len(hashes), min(n_cached // bs, len(blocks))):
             h = self.chain(hashes[-1] if hashes else 0, tokens[i * bs : (i + 1) * bs])

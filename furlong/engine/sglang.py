@@ -1,8 +1,10 @@
-"""SGLang as a furlong engine (GPU): build the launch command, start it, register it.
+"""SGLang as a furlong engine (GPU): its command line, and a launch on furlong's one process manager.
 
 SGLang's native HTTP API is the contract the built-in engine copies (DESIGN §3), so once an
 SGLang server is up, the router, rollout and weight-sync code talk to it unchanged. This
-module only has to start it with the flags that code relies on:
+module only describes how to start it; starting, health-waiting and stopping are
+`core.processes.ManagedProcess`, the same code that runs the built-in engine and the router.
+The flags the rest of furlong relies on:
 
 * ``--enable-metrics`` — the dashboard and the router read ``/metrics``;
 * ``--weight-version`` — every response carries ``meta_info.weight_version``;
@@ -12,6 +14,12 @@ module only has to start it with the flags that code relies on:
 * ``--enable-memory-saver`` — trainer and engine sharing GPUs (release / resume memory);
 * ``--skip-server-warmup`` — RL engines serve real traffic at once; warm-up only delays;
 * ``--load-format dummy`` — when the trainer pushes weights before the first rollout.
+
+The run's ``engine.*`` settings map onto SGLang's flags in `config_for`: ``max_context`` →
+``--context-length``, ``prefix_cache=False`` → ``--disable-radix-cache``, ``kv_cache_mb`` →
+``--max-total-tokens`` (SGLang sizes its KV pool in tokens, so the budget is divided by the
+model's KV bytes per token), ``max_running`` → ``--max-running-requests``, plus ``--dtype``,
+``--host`` and ``--port``.
 
 Usage::
 
@@ -23,26 +31,29 @@ Usage::
 
 or ``python -m furlong.engine.sglang --model-path DIR --port 30001 --router http://127.0.0.1:30000``.
 
-UNTESTED WITHOUT A GPU: the command line this module builds, the process handling, the
-health wait and the registration are tested on CPU (with a stand-in ``sglang`` package);
-a real SGLang server has not been started by furlong's CI, which has no GPU. Importing
-this module never imports sglang.
+UNTESTED WITHOUT A GPU: the command line this module builds, the launch, the health wait
+and the registration are tested on CPU (with a stand-in ``sglang`` package); a real SGLang
+server has not been started by furlong's CI, which has no GPU. Importing this module never
+imports sglang.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
-import signal
-import subprocess
+import re
 import sys
-import time
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
 
+from furlong.core.processes import ManagedProcess, ProcessFailed
+
 DTYPES = ("auto", "half", "float16", "bfloat16", "float", "float32")
+DTYPE_BYTES = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2}
 
 
 @dataclass
@@ -56,10 +67,12 @@ class SGLangConfig:
     base_gpu_id: int = 0
     context_length: int | None = None
     max_running_requests: int | None = None
+    max_total_tokens: int | None = None  # KV pool size in tokens; SGLang fills its memory fraction when None
     random_seed: int | None = None
     weight_version: str = "0"
     enable_metrics: bool = True
     skip_warmup: bool = True
+    disable_radix_cache: bool = False  # True: no prefix reuse (engine.prefix_cache=false)
     return_routed_experts: bool = False
     enable_memory_saver: bool = False
     deterministic: bool = False
@@ -78,7 +91,7 @@ class SGLangConfig:
             raise ValueError(f"tp_size: must be >= 1, got {self.tp_size}")
         if self.mem_fraction_static is not None and not 0 < self.mem_fraction_static <= 1:
             raise ValueError(f"mem_fraction_static: must be in (0, 1], got {self.mem_fraction_static}")
-        for name in ("context_length", "max_running_requests"):
+        for name in ("context_length", "max_running_requests", "max_total_tokens"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name}: must be >= 1, got {value}")
@@ -86,6 +99,12 @@ class SGLangConfig:
     @property
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
+
+
+def _option(flag: str, value: object) -> list[str]:
+    """`flag value`, or `flag=value` when the value starts with '-' (argparse would read it as an option)."""
+    text = str(value)
+    return [f"{flag}={text}"] if text.startswith("-") else [flag, text]
 
 
 def build_command(cfg: SGLangConfig, admin_token: str | None = None, python: str = sys.executable) -> list[str]:
@@ -96,11 +115,13 @@ def build_command(cfg: SGLangConfig, admin_token: str | None = None, python: str
            "--weight-version", cfg.weight_version]
     options = {"--mem-fraction-static": cfg.mem_fraction_static, "--base-gpu-id": cfg.base_gpu_id or None,
                "--context-length": cfg.context_length, "--max-running-requests": cfg.max_running_requests,
-               "--random-seed": cfg.random_seed, "--load-format": cfg.load_format, "--admin-api-key": admin_token}
+               "--max-total-tokens": cfg.max_total_tokens, "--random-seed": cfg.random_seed,
+               "--load-format": cfg.load_format, "--admin-api-key": admin_token}
     for flag, value in options.items():
         if value is not None:
-            cmd += [flag, str(value)]
+            cmd += _option(flag, value)
     switches = {"--enable-metrics": cfg.enable_metrics, "--skip-server-warmup": cfg.skip_warmup,
+                "--disable-radix-cache": cfg.disable_radix_cache,
                 "--enable-return-routed-experts": cfg.return_routed_experts,
                 "--enable-memory-saver": cfg.enable_memory_saver,
                 "--enable-deterministic-inference": cfg.deterministic}
@@ -108,42 +129,51 @@ def build_command(cfg: SGLangConfig, admin_token: str | None = None, python: str
     return cmd + list(cfg.extra_args)
 
 
-@dataclass
-class SGLangServer:
-    """A running SGLang server process (and its process group: SGLang forks schedulers)."""
-
-    url: str
-    process: subprocess.Popen
-    log_path: Path | None = None
-
-    def stop(self, timeout: float = 30.0) -> None:
-        if self.process.poll() is None:
-            os.killpg(self.process.pid, signal.SIGTERM)
-            try:
-                self.process.wait(timeout)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.process.pid, signal.SIGKILL)
-                self.process.wait()
+def _model_config(model_dir: str | Path) -> dict:
+    path = Path(model_dir) / "config.json"
+    try:
+        cfg = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise ValueError(f"model_dir: cannot read {path} to size SGLang's KV pool: {e}") from None
+    return cfg.get("text_config", cfg)  # multimodal configs nest the language model's
 
 
-def _log_tail(path: Path | None, n: int = 3000) -> str:
-    return path.read_text(errors="replace")[-n:] if path is not None and path.exists() else ""
+def kv_tokens(model_cfg: dict, dtype: str, kv_cache_mb: int) -> int:
+    """How many tokens of K and V fit in `kv_cache_mb` (the built-in engine's formula, from config.json)."""
+    heads = model_cfg["num_attention_heads"]
+    head_dim = model_cfg.get("head_dim") or model_cfg["hidden_size"] // heads
+    kv_heads = model_cfg.get("num_key_value_heads") or heads
+    width = DTYPE_BYTES.get(dtype) or DTYPE_BYTES.get(str(model_cfg.get("torch_dtype") or model_cfg.get("dtype")), 2)
+    per_token = 2 * model_cfg["num_hidden_layers"] * kv_heads * head_dim * width
+    return max(1, kv_cache_mb * 2**20 // per_token)
 
 
-def wait_healthy(server: SGLangServer, timeout: float) -> None:
-    """Poll ``/health`` until 200; RuntimeError with the log's tail if the process dies or time runs out."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if server.process.poll() is not None:
-            raise RuntimeError(f"sglang server exited with {server.process.returncode}:\n{_log_tail(server.log_path)}")
-        try:
-            if httpx.get(server.url + "/health", timeout=5).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    server.stop()
-    raise RuntimeError(f"sglang server at {server.url} not healthy after {timeout:g}s:\n{_log_tail(server.log_path)}")
+def config_for(*, model_dir: str, host: str, port: int, dtype: str, kv_cache_mb: int, max_running: int,
+               max_context: int | None, prefix_cache: bool) -> SGLangConfig:
+    """The SGLang server that honours the run's `engine.*` settings (the mapping is in the module docstring)."""
+    from furlong.engine.engine import context_window
+
+    model_cfg = _model_config(model_dir)
+    context_window(int(model_cfg.get("max_position_embeddings", 2048)), max_context)  # same refusal as builtin
+    return SGLangConfig(model_path=str(model_dir), host=host, port=port, dtype=dtype, context_length=max_context,
+                        max_running_requests=max_running, max_total_tokens=kv_tokens(model_cfg, dtype, kv_cache_mb),
+                        disable_radix_cache=not prefix_cache)
+
+
+MISSING = ("engine.backend=sglang: the sglang package is not installed for {python}; install it on a GPU "
+           "machine (pip install 'sglang[all]') or set engine.backend=builtin")
+
+
+class SGLangServer(ManagedProcess):
+    """A running SGLang server: a `ManagedProcess` (its whole process group: SGLang forks schedulers)."""
+
+    @property
+    def process(self):
+        """The server's `subprocess.Popen`."""
+        return self.proc
+
+    def stop(self, grace_s: float = 30.0) -> None:  # SGLang frees GPU memory on SIGTERM: give it time
+        super().stop(grace_s)
 
 
 def register(router_url: str, engine_url: str, admin_token: str | None = None) -> dict:
@@ -158,19 +188,27 @@ def register(router_url: str, engine_url: str, admin_token: str | None = None) -
 def launch(cfg: SGLangConfig, router_url: str | None = None, admin_token: str | None = None,
            timeout: float = 900.0, log_path: str | Path | None = None, env: dict[str, str] | None = None,
            python: str = sys.executable) -> SGLangServer:
-    """Start SGLang, wait until it is healthy, then register it with ``router_url`` if given."""
-    cmd = build_command(cfg, admin_token, python)
-    log = Path(log_path) if log_path else None
-    out = log.open("wb") if log else subprocess.DEVNULL
+    """Start SGLang, wait until it is healthy, then register it with ``router_url`` if given.
+
+    `env` adds variables to the server's environment (through `env(1)`, so the process
+    manager stays the one that starts every server). ProcessFailed (a RuntimeError) with the
+    log's tail if the server dies or never gets healthy; a clear one if sglang is not installed.
+    """
+    argv = build_command(cfg, admin_token, python)
+    if env:
+        argv = ["env", *(f"{k}={v}" for k, v in env.items()), *argv]
+    log = Path(log_path) if log_path else Path(tempfile.mkdtemp(prefix="furlong-sglang-")) / "server.log"
+    server = SGLangServer("sglang server", argv, cfg.url, log)
     try:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})},
-                                start_new_session=True)
-    finally:
-        if log:
-            out.close()  # the child holds its own descriptor
-    server = SGLangServer(cfg.url, proc, log)
+        server.start(timeout)
+    except ProcessFailed:
+        tail = server.log_tail()
+        if re.search(r"No module named '?sglang\b", tail):
+            raise ProcessFailed(MISSING.format(python=python) + f"\n{tail}") from None
+        if server.proc is not None and server.proc.returncode is not None:
+            raise ProcessFailed(f"sglang server exited with {server.proc.returncode}:\n{tail}") from None
+        raise
     try:
-        wait_healthy(server, timeout)
         if router_url:
             register(router_url, server.url, admin_token)
     except BaseException:

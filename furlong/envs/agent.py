@@ -42,10 +42,10 @@ from typing import Any
 
 import httpx
 
-from furlong.envs.sessions import ServerThread, SessionServer
+from furlong.envs.session_server import ServerThread, SessionServer
 from furlong.rollout.generate import RolloutContext, reset_response
 from furlong.rollout.rewards import call, check_reward
-from furlong.rollout.sample import Sample, Status
+from furlong.core.sample import Sample, Status
 
 SAMPLING = ("temperature", "top_p", "top_k", "stop", "seed")
 _servers: dict[str, ServerThread] = {}
@@ -114,7 +114,8 @@ async def generate(ctx: RolloutContext, sample: Sample, sampling_params: dict[st
     server = session_server(ctx.client.url, ctx.tokenizer)
     defaults = {k: sampling_params[k] for k in SAMPLING if sampling_params.get(k) is not None}
     body = {"label": sample.label, "sampling": defaults, "max_new_tokens": int(sampling_params["max_new_tokens"]),
-            "metadata": {k: sample.metadata[k] for k in ("prompt_index", "sample_index", "seq") if k in sample.metadata}}
+            "metadata": {k: sample.metadata[k] for k in ("prompt_index", "sample_index", "seq")
+                         if k in sample.metadata}}
     async with httpx.AsyncClient(base_url=server.url, timeout=httpx.Timeout(None, connect=10.0)) as http:
         resp = await http.post("/sessions", json=body)
         resp.raise_for_status()
@@ -169,13 +170,15 @@ async def tool_agent(sample: Sample, base_url: str) -> None:
     returns None: the environment (or the task's rule) scores the episode. Only HTTP
     and the OpenAI chat format are used, as by any external harness.
     """
-    from furlong.envs.protocol import TOOLS, _import
-    from furlong.envs.tools import ToolCall, execute_all
+    from furlong.core.plugins import import_path
+    from furlong.envs.protocol import TOOLS
+    from furlong.core.tool_calls import ToolCall
+    from furlong.envs.tools import execute_all
 
     messages = list(sample.prompt) if isinstance(sample.prompt, list) else [{"role": "user", "content": sample.prompt}]
     tools = sample.metadata.get("tools") or None
     names = [t.get("function", t).get("name") for t in tools or []]
-    fns = {n: _import(TOOLS[n]) for n in names if n in TOOLS}
+    fns = {n: import_path(TOOLS[n], "envs.tools") for n in names if n in TOOLS}
     async with httpx.AsyncClient(base_url=base_url.rstrip("/"), timeout=httpx.Timeout(None, connect=10.0)) as http:
         for turn in range(int(sample.metadata.get("max_turns", 3))):
             resp = await http.post("/chat/completions", json={"model": "furlong", "messages": messages, "tools": tools})

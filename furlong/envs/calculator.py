@@ -36,8 +36,8 @@ from typing import Any
 
 from furlong.data.tasks import TASKS, calculate, score_integer
 from furlong.envs.protocol import ToolEnvironment, final_text
-from furlong.envs.sessions import template_tools
-from furlong.rollout.sample import Sample
+from furlong.envs.session_store import template_tools
+from furlong.core.sample import Sample
 
 
 def calculator(expression: str) -> str:
@@ -91,11 +91,12 @@ class CalculatorEnvironment(ToolEnvironment):
         options = dict(getattr(config, "connector", None) or {})
         unknown = sorted(set(options) - {"tiers"})
         if unknown:
-            raise ValueError(f"envs.connector: unknown key(s) {unknown} for the calculator environment; known: ['tiers']")
+            raise ValueError(f"envs.connector: unknown key(s) {unknown} for the calculator environment; "
+                             "known: ['tiers']")
         self.tiers = bool(options.get("tiers", True))
 
     async def step(self, sample: Sample, action: str) -> tuple[list[dict[str, Any]], bool]:
-        from furlong.envs.tools import parse_tool_calls
+        from furlong.core.tool_calls import parse_tool_calls
 
         _, calls, _ = parse_tool_calls(action)
         sample.metadata.setdefault("calculator_expressions", []).extend(
@@ -113,7 +114,8 @@ class CalculatorEnvironment(ToolEnvironment):
         question = sample.metadata.get("expression")
         answer = final_text(sample)
         parts = {"correct": score_integer(answer, sample.label), "used_tool": float(calls > 0),
-                 "right_expression": float(question is not None and any(_same_expression(e, question) for e in expressions)),
+                 "right_expression": float(question is not None
+                                           and any(_same_expression(e, question) for e in expressions)),
                  "copied_result": float(bool(results) and _copied(answer, results[-1]))}
         if parts["correct"] or not self.tiers:
             score = parts["correct"]
@@ -133,14 +135,17 @@ def demonstration(expression: str, label: int, tools: list[dict[str, Any]], ques
     if flawed:
         shortcut = calculate(" ".join(expression.split()[:3]))  # "12 * 34 + 56" -> 12 * 34
         return {"messages": [*question, {"role": "assistant", "content": str(shortcut)}], "tools": tools}
-    call = {"id": "call_0", "type": "function", "function": {"name": "calculator", "arguments": {"expression": expression}}}
+    call = {"id": "call_0", "type": "function",
+            "function": {"name": "calculator", "arguments": {"expression": expression}}}
     return {"messages": [*question, {"role": "assistant", "content": "", "tool_calls": [call]},
                          {"role": "tool", "tool_call_id": "call_0", "content": calculator(expression)},
                          {"role": "assistant", "content": str(label)}], "tools": tools}
 
 
 def write_demonstrations(path: str | Path, n: int, *, seed: int = 0, flawed: float = 0.5, difficulty: int = 1) -> Path:
-    """`n` calculator conversations from the task's train split (another seed than the RL prompts'); a `flawed` fraction skip the tool.
+    """`n` calculator conversations from the task's train split (another seed than the RL prompts').
+
+    A `flawed` fraction skip the tool.
 
     They are meant for rollouts through TITO sessions (`rollout.agent_fn`), so the tools are written as a
     session hands them to the chat template.

@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
 def _sessions(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from furlong.envs.sessions import SessionServer
+    from furlong.envs.session_server import SessionServer
 
     tokenizer = None
     if args.model:
@@ -110,7 +110,8 @@ def _setup(args: argparse.Namespace) -> int:
 
 
 def _sandbox(args: argparse.Namespace) -> int:
-    from furlong.envs.sandbox import LocalSandbox, SandboxLimits
+    from furlong.envs.sandbox.base import SandboxLimits
+    from furlong.envs.sandbox.local import LocalSandbox
 
     try:
         code = open(args.file).read()

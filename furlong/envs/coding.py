@@ -21,8 +21,9 @@ from typing import Any
 
 from furlong.data.datasets import Prompt
 from furlong.envs.protocol import ToolEnvironment, final_text
-from furlong.envs.sandbox import LocalSandbox, build_sandbox
-from furlong.rollout.sample import Sample
+from furlong.envs.sandbox.factory import build_sandbox
+from furlong.envs.sandbox.local import LocalSandbox
+from furlong.core.sample import Sample
 
 PYTHON_TOOL: dict[str, Any] = {
     "type": "function",
@@ -38,7 +39,8 @@ CODE_BLOCK = re.compile(r"```(?:python|py)?[ \t]*\n(.*?)```", re.S)
 PROBLEMS: list[tuple[str, str, Callable[[int, Any], Any], list[Any]]] = [
     ("add_{k}", "returns x plus {k}", lambda k, x: x + k, [0, 1, -5, 100]),
     ("times_{k}", "returns x multiplied by {k}", lambda k, x: x * k, [0, 2, -3, 11]),
-    ("is_multiple_of_{k}", "returns True if x is a multiple of {k}, else False", lambda k, x: x % k == 0, [0, 1, 6, 12, 35]),
+    ("is_multiple_of_{k}", "returns True if x is a multiple of {k}, else False", lambda k, x: x % k == 0,
+     [0, 1, 6, 12, 35]),
     ("repeat_{k}", "returns the string s repeated {k} times", lambda k, s: s * k, ["", "a", "xy"]),
     ("last_{k}", "returns the last {k} characters of the string s", lambda k, s: s[-k:], ["abcdefgh", "hello world"]),
     ("count_{k}s", "returns how many times the digit {k} occurs in the decimal digits of the non-negative integer x",

@@ -37,11 +37,12 @@ import inspect
 import uuid
 from typing import Any
 
-from furlong.envs.chat import append_runs, suffix_ids
+from furlong.data.chat import append_runs, suffix_ids
 from furlong.envs.protocol import build_environment
-from furlong.rollout.generate import RolloutContext, apply_response, derive_seed, encode_prompt
+from furlong.data.chat import encode_prompt
+from furlong.rollout.generate import RolloutContext, apply_response, derive_seed
 from furlong.rollout.rewards import check_reward
-from furlong.rollout.sample import Sample, Status
+from furlong.core.sample import Sample, Status
 
 
 def _sections(ctx: RolloutContext) -> tuple[Any, Any]:
@@ -78,7 +79,8 @@ async def generate(ctx: RolloutContext, sample: Sample, sampling_params: dict[st
             extra = await env.reset(sample)
             if extra:
                 if not isinstance(sample.prompt, list):
-                    raise ValueError("multiturn.generate: env.reset returned messages but the prompt is text, not messages")
+                    raise ValueError("multiturn.generate: env.reset returned messages but the prompt is text, "
+                                     "not messages")
                 sample.tokens = encode_prompt(tok, list(sample.prompt) + extra, tools)
                 sample.prompt = list(sample.prompt) + extra
             state["reset"] = True

@@ -24,8 +24,10 @@ from collections.abc import Callable
 from typing import Any
 
 from furlong.config.registry import Environment
-from furlong.envs.tools import execute_all, parse_tool_calls
-from furlong.rollout.sample import Sample
+from furlong.core.plugins import import_path
+from furlong.core.tool_calls import parse_tool_calls
+from furlong.envs.tools import execute_all
+from furlong.core.sample import Sample
 
 __all__ = ["Environment", "ToolEnvironment", "build_environment", "final_text"]
 
@@ -76,13 +78,6 @@ TOOLS = {  # tools `envs.tools` may name
 }
 
 
-def _import(path: str) -> Any:
-    import importlib
-
-    module, _, attr = path.partition(":")
-    return getattr(importlib.import_module(module), attr)
-
-
 def build_environment(envs: Any, sample: Sample) -> Environment:
     """The environment for `sample`: `envs.environment` (custom), else `envs.name`, else the sample's task.
 
@@ -116,11 +111,12 @@ def build_environment(envs: Any, sample: Sample) -> Environment:
         if getattr(envs, "name", None):
             raise ValueError(f"envs.name={name!r}: not a built-in environment; known: {sorted(BUILTIN)}")
         name = "tools"
-    cls = _import(BUILTIN[name])
+    cls = import_path(BUILTIN[name], "envs.name")
     if name == "tools":
         wanted = list(getattr(envs, "tools", None) or [])
         unknown = [t for t in wanted if t not in TOOLS] if tool_fn is None else []
         if unknown:
             raise ValueError(f"envs.tools: unknown tool(s) {unknown}; built in: {sorted(TOOLS)} (or set envs.tool_fn)")
-        return cls({t: _import(TOOLS[t]) for t in wanted if t in TOOLS}, timeout_s=timeout_s, tool_fn=tool_fn)
+        fns = {t: import_path(TOOLS[t], "envs.tools") for t in wanted if t in TOOLS}
+        return cls(fns, timeout_s=timeout_s, tool_fn=tool_fn)
     return cls(config=envs, tool_fn=tool_fn)

@@ -49,7 +49,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from furlong.rollout.sample import Sample, Status
+from furlong.core.sample import Sample, Status
 
 log = logging.getLogger("furlong.observe")
 

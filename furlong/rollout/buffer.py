@@ -22,7 +22,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from furlong.rollout.sample import Sample, Status
+from furlong.core.sample import Sample, Status
 
 TERMINAL = (Status.COMPLETED, Status.TRUNCATED, Status.FAILED)
 

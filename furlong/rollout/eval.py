@@ -22,7 +22,7 @@ from typing import Any
 
 from furlong.rollout.generate import RolloutContext, derive_seed
 from furlong.rollout.rewards import SCORABLE, score_sample
-from furlong.rollout.sample import Sample, Status
+from furlong.core.sample import Sample, Status
 
 MAX_ATTEMPTS = 3
 

@@ -24,7 +24,7 @@ from collections.abc import Callable
 from typing import Any
 
 from furlong.rollout.rewards import call
-from furlong.rollout.sample import Sample, Status
+from furlong.core.sample import Sample, Status
 
 
 def zero_variance(samples: list[Sample]) -> str | None:

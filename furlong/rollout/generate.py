@@ -20,8 +20,9 @@ from dataclasses import dataclass
 from itertools import groupby
 from typing import Any
 
-from furlong.rollout.client import EngineClient, EngineError
-from furlong.rollout.sample import Sample, Source, Status
+from furlong.core.client import EngineClient, EngineError
+from furlong.core.sample import Sample, Source, Status
+from furlong.data.chat import encode_prompt
 
 FINISH_STATUS = {"stop": Status.COMPLETED, "length": Status.TRUNCATED, "abort": Status.ABORTED}
 
@@ -45,18 +46,6 @@ def derive_seed(*parts: Any) -> int:
     """
     digest = hashlib.blake2b(":".join(map(str, parts)).encode(), digest_size=8).digest()
     return int.from_bytes(digest, "big") % (2**31 - 1)
-
-
-def encode_prompt(tokenizer: Any, prompt: str | list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
-    """Prompt ids: messages go through the chat template (with a generation prompt), text is encoded as is."""
-    if tokenizer is None:
-        raise ValueError("encode_prompt: a tokenizer is needed to encode prompts (pass tokenizer= to the manager)")
-    if isinstance(prompt, str):
-        return list(tokenizer.encode(prompt, add_special_tokens=False))
-    out = tokenizer.apply_chat_template(prompt, tools=tools, add_generation_prompt=True, tokenize=True)
-    if isinstance(out, dict) or hasattr(out, "input_ids"):  # transformers 5 may return a BatchEncoding
-        out = out["input_ids"]
-    return [int(t) for t in out]
 
 
 def reset_response(sample: Sample) -> Sample:

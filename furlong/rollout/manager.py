@@ -51,15 +51,20 @@ import asyncio
 import math
 from collections import Counter
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from furlong.rollout.buffer import TERMINAL, Group, GroupBuffer
-from furlong.rollout.client import EngineClient
+from furlong.core.client import EngineClient
 from furlong.rollout.eval import evaluate
 from furlong.rollout.filters import apply_sample_filter, group_drop_reason, zero_variance
-from furlong.rollout.generate import RolloutContext, derive_seed, encode_prompt, generate, reset_response
+from furlong.data.chat import encode_prompt
+from furlong.rollout.generate import RolloutContext, derive_seed, generate, reset_response
 from furlong.rollout.rewards import SCORABLE, call, load_fn, score_group, score_sample, task_reward
-from furlong.rollout.sample import Sample, Status
+from furlong.core.sample import Sample, Status
+from furlong.core.version import WeightVersion
+
+if TYPE_CHECKING:
+    from furlong.config.schema import RolloutConfig
 
 MODES = ("sync", "overlap", "async")
 STATE_VERSION = 1
@@ -74,7 +79,7 @@ class RolloutManager:
 
     def __init__(
         self,
-        config: Any,
+        config: RolloutConfig,
         data_source: Any,
         client: EngineClient,
         tokenizer: Any = None,
@@ -89,7 +94,11 @@ class RolloutManager:
         group_reward_fn: Callable[..., Any] | None = None,
         dynamic_filter_fn: Callable[..., Any] | None = None,
         sample_filter_fn: Callable[..., Any] | None = None,
+        reward_post_fn: Callable[..., Any] | None = None,
+        weights: WeightVersion | None = None,
     ):
+        """`weights`: the run's weight-version owner (the driver's); without one the manager keeps its own,
+        starting at `initial_version`. `reward_post_fn` reshapes each whole batch's rewards before training."""
         c = config
         if c.mode not in MODES:
             raise ValueError(f"rollout.mode: must be one of {MODES}, got {c.mode!r}")
@@ -130,8 +139,10 @@ class RolloutManager:
             self.dynamic_filter_fn = zero_variance
         self.sample_filter_fn = sample_filter_fn or load_fn(getattr(c, "sample_filter_fn", None), "rollout.sample_filter_fn")
         self.eval_fn = load_fn(getattr(c, "eval_fn", None), "rollout.eval_fn")
+        self.reward_post_fn = reward_post_fn
 
-        self.version = initial_version
+        self._own_weights = weights is None  # a manager alone (tests, tools) owns its version; in a run the driver does
+        self.weights = WeightVersion(initial_version) if weights is None else weights
         self._next_seq = 0
         self._groups_emitted = 0
         self._counts: Counter[str] = Counter()
@@ -142,6 +153,11 @@ class RolloutManager:
         self._pushed = asyncio.Event()
         self._producer: asyncio.Task | None = None
         self._exhausted = False
+
+    @property
+    def version(self) -> int:
+        """The weight version the engines serve (asked of the owner): staleness is measured against it."""
+        return self.weights.current
 
     # ---- the driver's API --------------------------------------------------
     async def next_batch(self, step: int) -> list[Sample]:
@@ -175,7 +191,11 @@ class RolloutManager:
             await self._stop_generation(cancel=True)
         elif self.mode == "overlap":
             self._fill(self.window)  # batch k+1 generates while batch k trains
-        return self._emit(accepted, step)
+        batch = self._emit(accepted, step)
+        if self.reward_post_fn is not None:  # reward shaping over the whole batch, once it is formed
+            for s, r in zip(batch, await call(self.reward_post_fn, batch), strict=True):
+                s.reward = float(r)
+        return batch
 
     async def before_weight_sync(self) -> None:
         """Stop new requests; with partial rollout, abort ours in flight (they resume afterwards)."""
@@ -188,7 +208,7 @@ class RolloutManager:
         """The engines now serve `version`: staleness is measured against it; generation resumes."""
         if version < self.version:
             raise ValueError(f"on_weights_updated: version {version} is older than {self.version}")
-        self.version = version
+        self.weights.advance(version)  # a no-op when the run's owner already holds it (the sync moved it)
         if self.mode != "sync":  # sync generates only inside next_batch
             self._running.set()
             self.client.release()
@@ -283,7 +303,8 @@ class RolloutManager:
             raise ValueError(f"RolloutManager.load_state_dict: state version {state.get('version')!r}, expected {STATE_VERSION}")
         if len(self.buffer) or self._producer is not None:
             raise RuntimeError("RolloutManager.load_state_dict: call it before the first next_batch")
-        self.version = int(state["weight_version"])
+        if self._own_weights:  # in a run the driver restores its owner from its own checkpoint state
+            self.weights.restore(int(state["weight_version"]))
         self._next_seq = int(state["next_seq"])
         self._groups_emitted = int(state["groups_emitted"])
         self._counts = Counter(state["counts"])

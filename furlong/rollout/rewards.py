@@ -25,7 +25,7 @@ import math
 from collections.abc import Callable
 from typing import Any
 
-from furlong.rollout.sample import Sample, Status
+from furlong.core.sample import Sample, Status
 
 Reward = float | dict[str, float]
 SCORABLE = (Status.COMPLETED, Status.TRUNCATED)

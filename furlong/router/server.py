@@ -57,7 +57,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from furlong.app_thread import AppThread
+from furlong.core.app_thread import AppThread
 from furlong.router.health import HEALTHY, Engine, EnginePool, normalize_url
 from furlong.router.policies import Policy, derive_session_key
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass, fields, replace
 
 import torch
 
-from furlong.rollout.sample import Sample, SampleError
+from furlong.core.sample import Sample, SampleError
 
 # Per-token [B, T] fields of a TrainBatch that `select` slices alongside the samples.
 _TOKEN_FIELDS = (

@@ -25,7 +25,10 @@ def resolve(path: str | Path) -> Path:
         return path
     found = checkpoint.latest(path)
     if found is None:
-        raise FileNotFoundError(f"{path}: neither a checkpoint (no {checkpoint.META}) nor a run directory with a complete checkpoints/step_<n>/")
+        raise FileNotFoundError(
+            f"{path}: neither a checkpoint (no {checkpoint.META}) "
+            "nor a run directory with a complete checkpoints/step_<n>/"
+        )
     return found
 
 

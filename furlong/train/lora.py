@@ -8,13 +8,32 @@ under the plain HF names the base model uses.
 
 from __future__ import annotations
 
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
 from torch import nn
 
+if TYPE_CHECKING:
+    from furlong.config.schema import LoraConfig
+
 ADAPTER = "default"
 _PREFIX = "base_model.model."
+
+
+def lora_dict(lora: LoraConfig) -> dict[str, Any] | None:
+    """`train.lora` as a plain dict, or None when disabled.
+
+    The dict is what the checkpoint's meta.json records, so a resume can refuse a checkpoint
+    whose adapters do not match the trainer's (JSON types: int rank, float alpha and dropout).
+    """
+    if not lora.enabled:
+        return None
+    return {
+        "r": int(lora.r),
+        "alpha": float(lora.alpha),
+        "dropout": float(lora.dropout),
+        "target_modules": list(lora.target_modules),
+    }
 
 
 def apply_lora(model: nn.Module, lora: dict[str, Any]) -> nn.Module:

@@ -8,9 +8,12 @@ function itself is rebuilt from the config, never pickled.
 from __future__ import annotations
 
 import math
-from typing import Any, Iterable
+from typing import TYPE_CHECKING, Iterable
 
 import torch
+
+if TYPE_CHECKING:
+    from furlong.config.schema import TrainConfig
 
 SCHEDULES = ("constant", "cosine", "linear")
 
@@ -26,7 +29,8 @@ def lr_factor(step: int, schedule: str, warmup_steps: int, total_steps: int) -> 
         raise ValueError(f"train.lr_schedule: unknown schedule {schedule!r}; choose one of {list(SCHEDULES)}")
     if schedule != "constant" and total_steps <= warmup_steps:
         raise ValueError(
-            f"train.total_steps={total_steps} must exceed train.warmup_steps={warmup_steps} for lr_schedule={schedule!r}"
+            f"train.total_steps={total_steps} must exceed train.warmup_steps={warmup_steps} "
+            f"for lr_schedule={schedule!r}"
         )
     if warmup_steps > 0 and step < warmup_steps:
         return (step + 1) / warmup_steps
@@ -36,7 +40,9 @@ def lr_factor(step: int, schedule: str, warmup_steps: int, total_steps: int) -> 
     return 0.5 * (1.0 + math.cos(math.pi * p)) if schedule == "cosine" else 1.0 - p
 
 
-def build_optimizer(params: Iterable[torch.nn.Parameter], cfg: Any, lr: float | None = None) -> torch.optim.AdamW:
+def build_optimizer(
+    params: Iterable[torch.nn.Parameter], cfg: TrainConfig, lr: float | None = None
+) -> torch.optim.AdamW:
     """AdamW over the trainable parameters; `lr` overrides `cfg.lr` (the critic's own lr)."""
     params = [p for p in params if p.requires_grad]
     if not params:
@@ -50,7 +56,7 @@ def build_optimizer(params: Iterable[torch.nn.Parameter], cfg: Any, lr: float | 
     )
 
 
-def build_scheduler(optimizer: torch.optim.Optimizer, cfg: Any) -> torch.optim.lr_scheduler.LambdaLR:
+def build_scheduler(optimizer: torch.optim.Optimizer, cfg: TrainConfig) -> torch.optim.lr_scheduler.LambdaLR:
     lr_factor(0, cfg.lr_schedule, cfg.warmup_steps, cfg.total_steps)  # fail at start, naming the field
     return torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda step: lr_factor(step, cfg.lr_schedule, cfg.warmup_steps, cfg.total_steps)

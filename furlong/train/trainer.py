@@ -16,6 +16,9 @@ FSDP's collectives line up.
 
 Log-probs are taken at the rollout temperature (log_softmax(logits / T)), so
 the ratio against the engine's log-probs compares like with like.
+
+Plug points arrive resolved (`TrainerHooks`, from the driver's composition root):
+the trainer reads typed config sections and calls functions, never dotted paths.
 """
 
 from __future__ import annotations
@@ -23,20 +26,25 @@ from __future__ import annotations
 import importlib
 import logging
 import math
+import time
 from collections import defaultdict
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from types import ModuleType
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import torch
 from torch import Tensor, nn
 
-from furlong.rollout.sample import Sample, SampleError
+from furlong.core.sample import Sample, SampleError
 from furlong.train import checkpoint, dist
 from furlong.train.batch import Packed, TrainBatch, micro_batches, pack, partition
 from furlong.train.critic import ValueModel
-from furlong.train.lora import apply_lora, merged_items
+from furlong.train.hooks import TrainerHooks
+from furlong.train.lora import apply_lora, lora_dict, merged_items
 from furlong.train.optim import build_optimizer, build_scheduler
-from furlong.train.settings import lora_dict
+
+if TYPE_CHECKING:
+    from furlong.config.schema import AlgoConfig, TrainConfig
 
 log = logging.getLogger("furlong.train")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -60,15 +68,19 @@ class Trainer:
     def __init__(
         self,
         model_dir: str | Path,
-        train_cfg: Any,
-        algo_cfg: Any,
+        train_cfg: TrainConfig,
+        algo_cfg: AlgoConfig,
         rank: int = 0,
         world_size: int = 1,
         *,
         temperature: float = 1.0,
-        losses: Any = None,
+        seed: int = 0,
+        hooks: TrainerHooks | None = None,
+        losses: ModuleType | None = None,
     ) -> None:
-        """`losses` is the loss hub (a module with `compute_advantages`, `compute_policy_objective`, `sft_loss`)."""
+        """`seed` initialises adapters and the value head (the same on every rank); `hooks` are the resolved
+        plug points (None: every one built in); `losses` is the loss hub (a module with `compute_advantages`,
+        `compute_policy_objective`, `kl_estimate`, `sft_loss`)."""
         if temperature <= 0:
             raise ValueError(f"rollout temperature must be > 0 for training log-probs, got {temperature}")
         if train_cfg.dtype not in DTYPES:
@@ -80,15 +92,20 @@ class Trainer:
         self.losses = losses if losses is not None else importlib.import_module("furlong.train.losses")
         self.device = dist.init(rank, world_size, train_cfg.backend)
         self.dtype = DTYPES[train_cfg.dtype]
-        self.lora = lora_dict(getattr(train_cfg, "lora", None))
-        self.kl_coef = float(getattr(algo_cfg, "kl_coef", 0.0) or 0.0)
-        if getattr(algo_cfg, "loss_reducer", None) == "constant" and getattr(algo_cfg, "reducer_constant", None) is None:
+        # Every user function reports its failures naming its config key (`train.loss_fn`, ...).
+        self.hooks = (hooks or TrainerHooks()).named()
+        self.convert = self.hooks.convert_fn or TrainBatch.from_samples
+        self.lora = lora_dict(train_cfg.lora)
+        self.kl_coef = float(algo_cfg.kl_coef)
+        if algo_cfg.loss_reducer == "constant" and algo_cfg.reducer_constant is None:
             # The hub's fallback (the padded T) would differ between micro-batches and ranks.
-            raise ValueError("algo.reducer_constant must be set (e.g. rollout.max_new_tokens) for loss_reducer='constant'")
-        torch.manual_seed(int(getattr(train_cfg, "seed", 0)))  # adapter / head init must agree on every rank
+            raise ValueError(
+                "algo.reducer_constant must be set (e.g. rollout.max_new_tokens) for loss_reducer='constant'"
+            )
+        torch.manual_seed(int(seed))  # adapter / head init must agree on every rank
 
         policy = self._load_lm()
-        if getattr(train_cfg, "gradient_checkpointing", False):
+        if train_cfg.gradient_checkpointing:
             policy.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
         self.policy = self._place(apply_lora(policy, self.lora) if self.lora else policy)
         # The reference policy: a frozen copy; with LoRA, the base itself (adapters switched off).
@@ -100,21 +117,15 @@ class Trainer:
         self.optimizer = build_optimizer(self.policy.parameters(), train_cfg)
         self.scheduler = build_scheduler(self.optimizer, train_cfg)
         if self.critic is not None:
-            self.critic_optimizer = build_optimizer(self.critic.parameters(), train_cfg, getattr(train_cfg, "critic_lr", None))
+            self.critic_optimizer = build_optimizer(self.critic.parameters(), train_cfg, train_cfg.critic_lr)
             self.critic_scheduler = build_scheduler(self.critic_optimizer, train_cfg)
         self.step = 0
         self.seen_logprobs: dict[int, list[float]] = {}
         self.nonfinite_streak = 0  # optimiser steps in a row skipped for a NaN/inf loss or gradient
-        hook = getattr(train_cfg, "before_train_step", None)
-        if hook:
-            from furlong.config.registry import load_plugin
-
-            hook = load_plugin("train.before_train_step", hook)
-        self.before_train_step = hook or None
 
     # ------------------------------------------------------------------ set-up
     def _needs_critic(self) -> bool:
-        return getattr(self.algo, "advantage", None) == "gae" or getattr(self.algo, "name", None) == "ppo"
+        return self.algo.advantage == "gae" or self.algo.name == "ppo"
 
     def _load_lm(self) -> nn.Module:
         from transformers import AutoModelForCausalLM
@@ -136,7 +147,10 @@ class Trainer:
     def _logprobs(self, model: nn.Module, packed: Packed, entropy: bool = False, temperature: float | None = None):
         """Per-token log-probs (and entropy) `[B, T]` of the response tokens, in fp32, at temperature T."""
         logits = model(
-            input_ids=packed.input_ids, position_ids=packed.position_ids, use_cache=False, logits_to_keep=packed.flat_index
+            input_ids=packed.input_ids,
+            position_ids=packed.position_ids,
+            use_cache=False,
+            logits_to_keep=packed.flat_index,
         ).logits[0]
         logp = torch.log_softmax(logits.float() / (temperature or self.temperature), dim=-1)
         lp = packed.scatter(logp.gather(-1, packed.targets[:, None]).squeeze(-1))
@@ -155,7 +169,10 @@ class Trainer:
     def _plan(self, lengths: list[int]) -> list[list[int]]:
         """This rank's micro-batches (global sample indices); the same count on every rank."""
         shards = partition(lengths, self.world_size)
-        per_rank = [[[shard[i] for i in mb] for mb in micro_batches([lengths[i] for i in shard], self.cfg.micro_batch_tokens)] for shard in shards]
+        budget = self.cfg.micro_batch_tokens
+        per_rank = [
+            [[shard[i] for i in mb] for mb in micro_batches([lengths[i] for i in shard], budget)] for shard in shards
+        ]
         k = max(1, max(len(p) for p in per_rank))
         mine = per_rank[self.rank]
         if len(mine) < k:  # fewer than the busiest rank: spread thinner, padding with empty (dummy) steps
@@ -179,7 +196,7 @@ class Trainer:
     # ------------------------------------------------------------------ public API
     def compute_logprobs(self, samples: list[Sample] | TrainBatch, which: str = "policy") -> list[list[float]]:
         """Per-sample response log-probs under the policy (or `which="ref"`), at the rollout temperature."""
-        batch = samples if isinstance(samples, TrainBatch) else TrainBatch.from_samples(samples)
+        batch = samples if isinstance(samples, TrainBatch) else self.convert(samples)
         if which not in ("policy", "ref"):
             raise ValueError(f"compute_logprobs: which={which!r} is not 'policy' or 'ref'")
         self.policy.eval()
@@ -189,7 +206,7 @@ class Trainer:
 
     def prepare(self, samples: list[Sample] | TrainBatch) -> TrainBatch:
         """Old and reference log-probs, old values, then advantages over the whole batch."""
-        batch = samples if isinstance(samples, TrainBatch) else TrainBatch.from_samples(samples)
+        batch = samples if isinstance(samples, TrainBatch) else self.convert(samples)
         if batch.rewards is None:
             missing = next(s.index for s in batch.samples if s.reward is None)
             raise SampleError(f"sample {missing}: reward is not set; RL training needs a reward on every sample")
@@ -204,34 +221,57 @@ class Trainer:
             batch.old_values = self._per_token(batch, self._values)
         kl = None  # per-token KL to the reference, folded into the reward when algo.kl_in_reward
         if uses_ref:
-            kl = self.losses.kl_estimate(batch.old_logprobs, batch.ref_logprobs, getattr(self.algo, "kl_type", "k1"))
+            kl = self.losses.kl_estimate(batch.old_logprobs, batch.ref_logprobs, self.algo.kl_type)
         batch.advantages, batch.returns = self.losses.compute_advantages(
-            self.algo, batch.rewards, batch.group_index, batch.mask, values=batch.old_values, kl=kl
+            self.algo, batch.rewards, batch.group_index, batch.mask, values=batch.old_values, kl=kl,
+            advantage_fn=self.hooks.advantage_fn,
         )
         return batch
 
-    def train_rollout(self, samples: list[Sample] | TrainBatch) -> list[dict[str, float]]:
-        """Prepare a rollout batch once, then take `num_steps_per_rollout` optimiser steps over its slices."""
+    def train_rollout(self, samples: list[Sample] | TrainBatch) -> dict[str, Any]:
+        """Prepare a rollout batch once, then take `num_steps_per_rollout` optimiser steps over its slices.
+
+        Returns the step's record with its provenance, so the event store can show per token what the
+        trainer saw: `metrics` (one dict per optimiser step), `span` (wall-clock start, end), and on
+        rank 0 `advantages` and `train_logprobs` (per sample, response tokens only; `train_logprobs`
+        only when known for every sample).
+        """
+        t0 = time.time()
         self.seen_logprobs = {}  # id(sample) -> train log-probs of this batch, when not in `old_logprobs`
-        batch = self.last_batch = self.prepare(samples)  # kept for provenance (advantages, old log-probs)
+        batch = self.last_batch = self.prepare(samples)
         n = self.cfg.num_steps_per_rollout
         if len(batch) % n:
-            raise ValueError(f"train.num_steps_per_rollout={n} does not divide the rollout batch of {len(batch)} samples")
+            raise ValueError(
+                f"train.num_steps_per_rollout={n} does not divide the rollout batch of {len(batch)} samples"
+            )
         size = len(batch) // n
-        return [self.train_step(batch.select(list(range(i * size, (i + 1) * size)))) for i in range(n)]
+        metrics = [self.train_step(batch.select(list(range(i * size, (i + 1) * size)))) for i in range(n)]
+        return {"metrics": metrics, "span": (t0, time.time())} | (self._provenance(batch) if self.rank == 0 else {})
+
+    def _provenance(self, batch: TrainBatch) -> dict[str, list[list[float]]]:
+        """Per-sample advantages and the trainer's log-probs of the batch just trained, cut to each response."""
+        out: dict[str, list[list[float]]] = {}
+        n = [s.response_length for s in batch.samples]
+        if batch.advantages is not None:
+            out["advantages"] = [batch.advantages[i, : n[i]].tolist() for i in range(len(n))]
+        if batch.old_logprobs is not None:
+            out["train_logprobs"] = [batch.old_logprobs[i, : n[i]].tolist() for i in range(len(n))]
+        elif all(id(s) in self.seen_logprobs for s in batch.samples):  # this rank saw every sample
+            out["train_logprobs"] = [self.seen_logprobs[id(s)] for s in batch.samples]
+        return out
 
     def train_step(self, batch: list[Sample] | TrainBatch) -> dict[str, float]:
         """One optimiser step of the policy objective (and the critic's, for PPO) on a global batch."""
         if not isinstance(batch, TrainBatch) or batch.advantages is None:
             batch = self.prepare(batch)
-        if self.before_train_step is not None:
-            self.before_train_step(self.step, batch)
+        if self.hooks.before_train_step is not None:
+            self.hooks.before_train_step(self.step, batch)
         return self._optimise(batch, self._policy_loss)
 
     def sft_step(self, samples: list[Sample] | TrainBatch) -> dict[str, float]:
         """One optimiser step of supervised fine-tuning: NLL of the loss-masked response tokens (T = 1)."""
-        batch = samples if isinstance(samples, TrainBatch) else TrainBatch.from_samples(samples)
-        sft_lr = getattr(self.cfg, "sft_lr", None)
+        batch = samples if isinstance(samples, TrainBatch) else self.convert(samples)
+        sft_lr = self.cfg.sft_lr
         if sft_lr is None:
             return self._optimise(batch, self._sft_loss)
         # A warm-up usually wants a larger step than RL. Afterwards every group gets the RL
@@ -255,7 +295,7 @@ class Trainer:
     # ------------------------------------------------------------------ losses
     def _totals(self, batch: TrainBatch) -> dict[str, float]:
         """Global-batch counts the loss hub's reducers divide by, so micro-batch losses are exact shares."""
-        reducer = getattr(self.algo, "loss_reducer", "token_mean")
+        reducer = self.algo.loss_reducer
         samples = (batch.mask.sum(1) > 0).sum() if reducer == "sample_mean" else len(batch)
         return {"total_tokens": float(batch.mask.sum()), "total_samples": float(samples)}
 
@@ -269,7 +309,10 @@ class Trainer:
                 self.seen_logprobs[id(s)] = t["old_logprobs"][i, : s.response_length].tolist()
         if self.critic is not None:
             t["values"] = self._values(packed)
-        loss, metrics = self.losses.compute_policy_objective(self.algo, t)
+        h = self.hooks
+        loss, metrics = self.losses.compute_policy_objective(
+            self.algo, t, loss_fn=h.loss_fn, correction_fn=h.correction_fn, reducer_fn=h.reducer_fn
+        )
         # The ESS ratio is not a token mean: keep its sums so it is exact over the global batch.
         mask = t["mask"]
         rho = torch.exp(((t["old_logprobs"] - t["rollout_logprobs"]) * mask).clamp(-20, 20)) * mask
@@ -277,7 +320,12 @@ class Trainer:
 
     def _sft_loss(self, sub: TrainBatch, packed: Packed, totals: dict[str, float]):
         lp, _ = self._logprobs(self.policy, packed, temperature=1.0)
-        loss, metrics = self.losses.sft_loss(lp, sub.mask.to(self.device), total_tokens=totals["total_tokens"])
+        # SFT's own reducer is token_mean (a warm-up is plain cross-entropy); a train.reducer_fn replaces it too.
+        loss, metrics = self.losses.sft_loss(
+            lp, sub.mask.to(self.device), self.hooks.reducer_fn or "token_mean",
+            constant=self.algo.reducer_constant, total_tokens=totals["total_tokens"],
+            total_samples=totals["total_samples"],
+        )
         return loss, metrics, {}
 
     def _dummy_loss(self) -> Tensor:

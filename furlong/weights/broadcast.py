@@ -12,19 +12,14 @@ applies the bucket, so the sender never hangs on a refusal.
 
 from __future__ import annotations
 
-import socket
-
 import torch
 
+from furlong.core.client import EngineControl, EngineError
+from furlong.core.net import free_port
+from furlong.weights.base import Sender, buckets, nbytes
 from furlong.weights.dist import broadcast, init_group
-from furlong.weights.sync import Sender, SyncReport, WeightSyncError, buckets, nbytes
+from furlong.weights.report import SyncReport, WeightSyncError
 from furlong.weights.tensors import dtype_name
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 class BroadcastSender(Sender):
@@ -45,10 +40,10 @@ class BroadcastSender(Sender):
             return
         port = self.master_port or free_port(self.master_address)
         world = len(self.urls) + 1
-        joins = {u: self._lanes[u].submit(self._post, u, "/init_weights_update_group", {
-            "master_address": self.master_address, "master_port": port, "rank_offset": i + 1, "world_size": world,
-            "group_name": self.group_name, "backend": self.backend, "timeout_s": self.init_timeout_s,
-        }) for i, u in enumerate(self.urls)}
+        joins = {u: self._lanes[u].submit(
+            self.engines[u].init_weights_update_group, self.master_address, port, rank_offset=i + 1, world_size=world,
+            group_name=self.group_name, backend=self.backend, timeout_s=self.init_timeout_s,
+        ) for i, u in enumerate(self.urls)}
         try:
             self.group = init_group(self.master_address, port, world, 0, self.backend, self.init_timeout_s)
         except Exception as e:
@@ -58,11 +53,11 @@ class BroadcastSender(Sender):
         self._wait(joins)
 
     def close(self) -> None:
-        if self.group is not None and self.client is not None:
-            for u in self.urls:  # best effort: an engine that is gone has no group to drop
+        if self.group is not None:
+            for engine in self.engines.values():  # best effort: an engine that is gone has no group to drop
                 try:
-                    self._post(u, "/destroy_weights_update_group", {"group_name": self.group_name})
-                except WeightSyncError:
+                    engine.destroy_weights_update_group(self.group_name)
+                except EngineError:
                     pass
         self.group = None
         super().close()
@@ -74,10 +69,9 @@ class BroadcastSender(Sender):
         groups = buckets(items, self.bucket_bytes)
         for k, group in enumerate(groups):
             last = k == len(groups) - 1
-            meta = {"names": [n for n, _ in group], "dtypes": [dtype_name(t.dtype) for _, t in group],
-                    "shapes": [list(t.shape) for _, t in group], "group_name": self.group_name}
-            futures = self._post_all("/update_weights_from_distributed",
-                                     lambda u: {**meta, "weight_version": self._body_version(u, last)})
+            futures = self._post_all(EngineControl.update_weights_from_distributed, last,
+                                     names=[n for n, _ in group], dtypes=[dtype_name(t.dtype) for _, t in group],
+                                     shapes=[list(t.shape) for _, t in group], group_name=self.group_name)
             for _, t in group:
                 broadcast(self.group, t.detach().to(device).contiguous(), 0)
             self._wait(futures)

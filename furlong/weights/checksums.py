@@ -20,13 +20,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Iterable, Mapping
 
-import httpx
 import torch
 
-from furlong.weights.sync import WeightSyncError, error_text
+from furlong.core.api import WEIGHT_CHECKSUMS as ENDPOINT
+from furlong.core.client import EngineControl, EngineError
+from furlong.weights.report import WeightSyncError
 from furlong.weights.tensors import checksum, parse_dtype
-
-ENDPOINT = "/get_weights_checksum"
 
 
 class VerifyUnsupported(WeightSyncError):
@@ -44,13 +43,15 @@ class VerifyReport:
         return not any(self.mismatches.values())
 
 
-def engine_checksums(client: httpx.Client, url: str, names: list[str] | None = None) -> dict:
-    r = client.post(url.rstrip("/") + ENDPOINT, json={"names": names})
-    if r.status_code in (404, 405):
-        raise VerifyUnsupported(f"{url}: the engine has no POST {ENDPOINT} (needed by weights.verify=true)")
-    if r.status_code != 200:
-        raise WeightSyncError(f"{url}{ENDPOINT}: HTTP {r.status_code}: {error_text(r)}")
-    return r.json()
+def engine_checksums(engine: EngineControl, names: list[str] | None = None) -> dict:
+    """The engine's checksum reply (module docstring); `VerifyUnsupported` if it has no such endpoint."""
+    try:
+        return engine.weights_checksum(names)
+    except EngineError as e:
+        if e.status in (404, 405):
+            raise VerifyUnsupported(f"{engine.url}: the engine has no POST {ENDPOINT} "
+                                    "(needed by weights.verify=true)") from None
+        raise WeightSyncError(str(e)) from None
 
 
 def verify(engine_urls: list[str], admin_token: str | None,
@@ -62,16 +63,25 @@ def verify(engine_urls: list[str], admin_token: str | None,
     a trainer actor; then the engine must hold the same dtype) or (name,
     tensor) pairs, which are cast to each engine's dtype before hashing.
     """
+    engines = [EngineControl(url, admin_token=admin_token, timeout_s=timeout_s) for url in engine_urls]
+    try:
+        return compare(engines, expected, raise_on_mismatch=raise_on_mismatch)
+    finally:
+        for engine in engines:
+            engine.close()
+
+
+def compare(engines: list[EngineControl], expected: Mapping[str, int] | Iterable[tuple[str, torch.Tensor]], *,
+            raise_on_mismatch: bool = True) -> VerifyReport:
+    """`verify` over clients already open (a sender's own, one per engine)."""
     items = expected.items() if isinstance(expected, Mapping) else expected
     ours = dict(items)
     report = VerifyReport(checked=len(ours))
-    headers = {"Authorization": f"Bearer {admin_token}"} if admin_token else {}
-    with httpx.Client(headers=headers, timeout=timeout_s) as client:
-        for url in engine_urls:
-            got = engine_checksums(client, url)  # all: a name the engine lacks is a mismatch, not an error
-            report.weight_versions[url] = got.get("weight_version")
-            theirs = got.get("tensors", {})
-            report.mismatches[url] = [name for name, want in ours.items() if not matches(want, theirs.get(name))]
+    for engine in engines:
+        got = engine_checksums(engine)  # all: a name the engine lacks is a mismatch, not an error
+        report.weight_versions[engine.url] = got.get("weight_version")
+        theirs = got.get("tensors", {})
+        report.mismatches[engine.url] = [name for name, want in ours.items() if not matches(want, theirs.get(name))]
     if raise_on_mismatch and not report.ok:
         worst = {u: names[:5] for u, names in report.mismatches.items() if names}
         raise WeightSyncError(f"weights.verify: engine weights differ from the trainer's: {worst}")

@@ -15,7 +15,9 @@ from pathlib import Path
 
 import torch
 
-from furlong.weights.sync import Sender, SyncReport, buckets, nbytes
+from furlong.core.client import EngineControl
+from furlong.weights.base import Sender, buckets, nbytes
+from furlong.weights.report import SyncReport
 
 
 class DiskSender(Sender):
@@ -50,11 +52,11 @@ class DiskSender(Sender):
             report.bytes += sum(nbytes(t) for _, t in group)
         shutil.rmtree(dest, ignore_errors=True)
         tmp.rename(dest)
-        self._wait(self._post_all("/update_weights_from_disk",
-                                  lambda u: {"model_path": str(dest), "weight_version": report.version}))
+        self._wait(self._post_all(EngineControl.update_weights_from_disk, True, model_path=str(dest)))
         self._prune()
 
     def _prune(self) -> None:
-        versions = sorted((int(p.name[1:]), p) for p in self.directory.glob("v*") if p.is_dir() and p.name[1:].isdigit())
+        versions = sorted((int(p.name[1:]), p) for p in self.directory.glob("v*")
+                          if p.is_dir() and p.name[1:].isdigit())
         for _, p in versions[:-self.keep]:
             shutil.rmtree(p, ignore_errors=True)

@@ -38,8 +38,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from furlong.weights.base import buckets
+from furlong.weights.report import SyncReport, WeightSyncError
 from furlong.weights.shm import ShmSender
-from furlong.weights.sync import SyncReport, WeightSyncError, buckets, nbytes
 
 
 def partition(sizes: list[int], world_size: int) -> list[int]:

@@ -19,8 +19,10 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Iterable
 
-import httpx
 import torch
+
+from furlong.core.client import EngineControl, EngineError
+from furlong.weights.report import WeightSyncError
 
 Schema = dict[str, tuple[tuple[int, ...], str]]
 
@@ -36,23 +38,23 @@ def model_schema(model_path: str, dtype: str) -> Schema:
     return {n: (tuple(t.shape), dtype) for n, t in model.state_dict().items()}
 
 
-def engine_schema(client: httpx.Client, url: str) -> Schema | None:
-    info = client.get(url + "/get_model_info")
-    info.raise_for_status()
-    info = info.json()
+def engine_schema(engine: EngineControl) -> Schema | None:
+    """The schema of the model `engine` serves; None when neither source is available (see the module docstring)."""
+    info = engine.model_info()
     path = info.get("model_path")
     if path and (Path(path) / "config.json").exists():
         return model_schema(path, str(info.get("dtype", "float32")))
-    r = client.post(url + "/get_weights_checksum", json={})
-    if r.status_code == 200:
-        return {n: (tuple(s["shape"]), s["dtype"]) for n, s in r.json()["tensors"].items()}
-    return None
+    try:
+        sums = engine.weights_checksum()
+    except EngineError as e:
+        if e.status is None:  # unreachable, not merely without the endpoint
+            raise
+        return None
+    return {n: (tuple(s["shape"]), s["dtype"]) for n, s in sums["tensors"].items()}
 
 
 def check_against(schema: Schema | None, items: Iterable[tuple[str, tuple[int, ...], torch.dtype]], url: str) -> None:
     """Raise `WeightSyncError` naming the first tensor the engine at `url` would refuse."""
-    from furlong.weights.sync import WeightSyncError
-
     if schema is None:
         return
     for name, shape, dtype in items:
@@ -60,6 +62,8 @@ def check_against(schema: Schema | None, items: Iterable[tuple[str, tuple[int, .
             raise WeightSyncError(f"tensor {name!r}: no such parameter in the engine model at {url}; nothing was sent")
         want, want_dtype = schema[name]
         if tuple(shape) != want:
-            raise WeightSyncError(f"tensor {name!r}: shape {list(shape)} != engine shape {list(want)} at {url}; nothing was sent")
+            raise WeightSyncError(f"tensor {name!r}: shape {list(shape)} != engine shape {list(want)} at {url}; "
+                                  "nothing was sent")
         if not dtype.is_floating_point and str(dtype).removeprefix("torch.") != want_dtype:
-            raise WeightSyncError(f"tensor {name!r}: dtype {dtype} cannot load into {want_dtype} at {url}; nothing was sent")
+            raise WeightSyncError(f"tensor {name!r}: dtype {dtype} cannot load into {want_dtype} at {url}; "
+                                  "nothing was sent")

@@ -31,7 +31,10 @@ import torch
 from multiprocessing import shared_memory
 from typing import Any
 
-from furlong.weights.sync import Sender, SyncReport, buckets, nbytes
+from furlong.core.client import EngineControl
+from furlong.weights.base import Sender, buckets, nbytes
+from furlong.weights.checksums import VerifyUnsupported, engine_checksums
+from furlong.weights.report import SyncReport
 from furlong.weights.tensors import checksum, dtype_name, tensor_bytes
 
 IN_FLIGHT = 2
@@ -49,7 +52,8 @@ def write_segment(group: list[tuple[str, torch.Tensor]], free: list[shared_memor
     specs, offset = [], 0
     for name, t in group:
         n = nbytes(t)
-        specs.append({"name": name, "dtype": dtype_name(t.dtype), "shape": list(t.shape), "offset": offset, "nbytes": n})
+        specs.append({"name": name, "dtype": dtype_name(t.dtype), "shape": list(t.shape), "offset": offset,
+                      "nbytes": n})
         offset += -(-n // ALIGN) * ALIGN
     seg = next((s for s in free if s.size >= offset), None)
     if seg is not None:
@@ -97,8 +101,7 @@ class ShmSender(Sender):
                 crcs = self._crcs(group) if self.with_checksum else None
                 seg, handle = write_segment(group, self._free, crcs, self.bucket_bytes)
                 last = stamp_last and k == len(groups) - 1
-                futures = self._post_all("/update_weights_from_tensor",
-                                         lambda u: {"shm": handle, "weight_version": self._body_version(u, last)})
+                futures = self._post_all(EngineControl.update_weights_from_tensor, last, shm=handle)
                 inflight.append((seg, futures))
                 report.buckets += 1
                 report.tensors += len(group)
@@ -135,14 +138,12 @@ class DeltaSender(ShmSender):
         return {n: self._sums[n][0] for n, _ in group}  # computed once, for the change test
 
     def connect(self, engine_urls: list[str], admin_token: str | None) -> None:
-        from furlong.weights.checksums import VerifyUnsupported, engine_checksums
-
         super().connect(engine_urls, admin_token)
         self.baseline = {}
         if not self.active:
             return
         try:
-            per_engine = [engine_checksums(self.client, u)["tensors"] for u in self.urls]
+            per_engine = [engine_checksums(e)["tensors"] for e in self.engines.values()]
         except VerifyUnsupported:
             return  # no engine checksums: the first push is full
         first, *others = per_engine

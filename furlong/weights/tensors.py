@@ -42,12 +42,14 @@ def checksum(t: torch.Tensor) -> int:
     return zlib.crc32(tensor_bytes(t))
 
 
-def write_shm(named: dict[str, torch.Tensor], *, with_checksum: bool = True) -> tuple[shared_memory.SharedMemory, dict[str, Any]]:
+def write_shm(named: dict[str, torch.Tensor], *,
+              with_checksum: bool = True) -> tuple[shared_memory.SharedMemory, dict[str, Any]]:
     """Copy tensors into a new segment; the caller owns it (close + unlink when the receiver is done)."""
     specs, offset = [], 0
     for name, t in named.items():
         nbytes = t.numel() * t.element_size()
-        specs.append({"name": name, "dtype": dtype_name(t.dtype), "shape": list(t.shape), "offset": offset, "nbytes": nbytes})
+        specs.append({"name": name, "dtype": dtype_name(t.dtype), "shape": list(t.shape), "offset": offset,
+                      "nbytes": nbytes})
         offset += -(-nbytes // _ALIGN) * _ALIGN
     shm = shared_memory.SharedMemory(create=True, size=max(offset, 1))
     for spec, t in zip(specs, named.values()):
@@ -125,7 +127,8 @@ def _view(seg: shared_memory.SharedMemory, spec: dict[str, Any], tname: str) -> 
 
 MAPPINGS = 4  # the sender keeps two segments in flight; a little slack for several senders
 _lock = threading.Lock()
-_mapped: OrderedDict[str, tuple[shared_memory.SharedMemory, int | None, int]] = OrderedDict()  # name -> (seg, inode, users)
+# name -> (segment, inode, users)
+_mapped: OrderedDict[str, tuple[shared_memory.SharedMemory, int | None, int]] = OrderedDict()
 
 
 def _inode(name: str) -> int | None:

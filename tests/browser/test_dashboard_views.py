@@ -13,7 +13,7 @@ plotted = steps run. Screenshots of that run go to docs/img/dashboard-<view>.png
 What a short real run cannot produce cheaply — tool tokens with loss mask 0, a partial
 rollout spanning a weight sync, an engine going unhealthy, a run written while the page
 follows it — is checked on a synthetic run written through the same EventStore API
-(`furlong/observe/synthetic.py`).
+(`tests/fixtures/synthetic_run.py`).
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ import pytest
 
 from furlong.dashboard.server import serve_in_thread
 from furlong.observe.store import unpack
-from furlong.observe.synthetic import write_synthetic_run
+from tests.fixtures.synthetic_run import write_synthetic_run
 
 CHROMIUM = shutil.which("chromium")
 pytestmark = [

@@ -80,6 +80,6 @@ async def trainer_killing_reward(sample: Any) -> float:
     run = STATE["run"]
     if not STATE.get("trainer_killed") and run.step == 2:
         STATE["trainer_killed"] = True
-        pid = await run.top.trainers[0].pid.remote()
+        pid = await run.trainers.actors[0].pid.remote()
         os.kill(pid, signal.SIGKILL)
     return varied_reward(sample)

@@ -30,8 +30,8 @@ def chaos_config(run_dir: Path, *overrides: str) -> Any:
 
 def run(cfg: Any, side: Any = None) -> dict[str, Any]:
     """Run to the end (through the same restart wrapper as `furlong train`); `side(run)` runs alongside."""
-    from furlong.cluster.supervisor import run_with_restarts
-    from furlong.train.run import Run
+    from furlong.driver.restarts import run_with_restarts
+    from furlong.driver.run import Run
 
     async def main() -> dict[str, Any]:
         r = Run(cfg, progress=False)

@@ -11,7 +11,8 @@ import torch
 from chaos_run import chaos_config, metrics, run
 from safetensors.torch import load_file
 
-from furlong.cluster.supervisor import MAX_TRAINER_RESTARTS, RunStopped, TrainerDied, check_finite, run_with_restarts
+from furlong.cluster.trainer_group import TrainerDied
+from furlong.driver.restarts import MAX_TRAINER_RESTARTS, RunStopped, check_finite, run_with_restarts
 
 SYNC = ("train.total_steps=4", "train.checkpoint_every=1")
 
@@ -119,10 +120,10 @@ def test_check_finite_counts_streaks_across_steps():
 
 def test_a_nonfinite_step_leaves_weights_and_optimiser_untouched():
     """In-process: a poisoned step is skipped (weights, Adam state, LR schedule unchanged); the next one trains."""
-    from furlong.config.schema import AlgoConfig
+    from furlong.config.schema import AlgoConfig, TrainConfig
+    from furlong.core.sample import Sample
     from furlong.models import create_model
-    from furlong.rollout.sample import Sample
-    from furlong.train.settings import TrainerConfig
+    from furlong.train.hooks import TrainerHooks
     from furlong.train.trainer import Trainer
 
     def samples(seed: int) -> list[Sample]:
@@ -139,8 +140,8 @@ def test_a_nonfinite_step_leaves_weights_and_optimiser_untouched():
     def weights(tr: Trainer) -> dict[str, torch.Tensor]:
         return {k: v.clone() for k, v in tr.state_dict_for_sync()}
 
-    tr = Trainer(create_model("qwen3", "tiny"), TrainerConfig(lr=1e-2), AlgoConfig())
-    tr.before_train_step = lambda step, batch: chaos_plugins._poison(batch) if step == 0 else None
+    poison = TrainerHooks(before_train_step=lambda step, batch: chaos_plugins._poison(batch) if step == 0 else None)
+    tr = Trainer(create_model("qwen3", "tiny"), TrainConfig(lr=1e-2), AlgoConfig(), hooks=poison)
     before, sched = weights(tr), tr.scheduler.state_dict()
     m = tr.train_step(samples(0))
     assert m["nonfinite/skipped"] == 1.0 and m["nonfinite/streak"] == 1.0 and m["loss"] != m["loss"]

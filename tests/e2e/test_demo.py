@@ -26,6 +26,7 @@ STEPS = 12
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(700)  # the demo subprocess is given 600 s
 def test_short_demo_learns(tmp_path):
     run_dir = tmp_path / "demo"
     proc = subprocess.run(

@@ -10,3 +10,8 @@ def shift_rewards(samples):
 
 def record_save(step, path):
     CALLS.append((step, path))
+
+
+def raising_loss(algo, logprobs, old_logprobs, advantages, mask):
+    """train.loss_fn that always raises: the run must fail naming the setting."""
+    raise RuntimeError("loss exploded on purpose")

@@ -31,6 +31,7 @@ def _furlong(*args: str, timeout: int) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1100)  # the run below may take up to 900 s and its demos 120 s
 def test_short_agent_calculator_run_learns_to_call_the_tool(tmp_path):
     demos = tmp_path / "demos.jsonl"
     made = _furlong("envs", "demos", "calculator", str(demos), "--n", "2600", timeout=120)

@@ -25,10 +25,11 @@ from furlong.config.schema import RolloutConfig
 from furlong.data import CALCULATOR_TOOL, TASKS, DataSource
 from furlong.envs import agent as agent_glue
 from furlong.models import load_tokenizer
-from furlong.rollout.client import EngineClient
-from furlong.rollout.generate import RolloutContext, encode_prompt
+from furlong.core.client import EngineClient
+from furlong.data.chat import encode_prompt
+from furlong.rollout.generate import RolloutContext
 from furlong.rollout.manager import RolloutManager
-from furlong.rollout.sample import Sample, Source, Status
+from furlong.core.sample import Sample, Source, Status
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "agent_openai_client" / "agent.py"
 

@@ -39,11 +39,11 @@ from furlong.config.schema import EnvsConfig, RolloutConfig
 from furlong.envs import agent as agent_glue
 from furlong.envs.connectors import harbor as hc
 from furlong.envs.connectors.venvs import ensure
-from furlong.envs.sessions import ServerThread, SessionServer
+from furlong.envs.session_server import ServerThread, SessionServer
 from furlong.models import create_model, load_tokenizer
-from furlong.rollout.client import EngineClient
+from furlong.core.client import EngineClient
 from furlong.rollout.manager import RolloutManager
-from furlong.rollout.sample import Sample, Source, Status
+from furlong.core.sample import Sample, Source, Status
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
 from envs_scripted_engine import Script, Turn  # noqa: E402

@@ -34,10 +34,10 @@ from furlong.envs import agent as agent_glue
 from furlong.envs.connectors import nemo_gym
 from furlong.envs.connectors.venvs import ensure
 from furlong.models import load_tokenizer
-from furlong.rollout.client import EngineClient
-from furlong.rollout.generate import encode_prompt
+from furlong.core.client import EngineClient
+from furlong.data.chat import encode_prompt
 from furlong.rollout.manager import RolloutManager
-from furlong.rollout.sample import Sample, Status
+from furlong.core.sample import Sample, Status
 
 ROOT = Path(__file__).resolve().parents[2]
 

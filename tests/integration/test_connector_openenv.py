@@ -36,9 +36,10 @@ from furlong.envs.connectors.venvs import ensure, is_built
 from furlong.envs.multiturn import generate
 from furlong.envs.protocol import build_environment
 from furlong.models import load_tokenizer
-from furlong.rollout.client import EngineClient
-from furlong.rollout.generate import RolloutContext, derive_seed, encode_prompt
-from furlong.rollout.sample import Sample, Status
+from furlong.core.client import EngineClient
+from furlong.data.chat import encode_prompt
+from furlong.rollout.generate import RolloutContext, derive_seed
+from furlong.core.sample import Sample, Status
 
 ROOT = Path(__file__).resolve().parents[2]
 TOKEN = "openenv-test-token"

@@ -16,7 +16,7 @@ import pytest
 
 from furlong.dashboard.server import serve_in_thread
 from furlong.observe.store import DB_NAME
-from furlong.observe.synthetic import write_synthetic_run
+from tests.fixtures.synthetic_run import write_synthetic_run
 
 ENDPOINTS = ["api/summary", "api/metrics", "api/timeline", "api/samples", "api/groups", "api/engines", "api/advisories"]
 

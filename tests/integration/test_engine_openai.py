@@ -14,7 +14,7 @@ import torch
 from openai import OpenAI
 from transformers import AutoModelForCausalLM
 
-from furlong.engine.scheduler import Engine
+from furlong.engine.engine import Engine
 from furlong.engine.server import ServerThread
 from furlong.models import create_model, load_tokenizer
 
@@ -177,7 +177,7 @@ def test_tool_call_parsed_from_output(tool_server):
     assert plain.choices[0].message.tool_calls is None
     assert plain.choices[0].message.content == f"<tool_call>{TOOL_JSON}</tool_call>"
     # A block that is not valid JSON stays in the content.
-    from furlong.engine.openai_api import parse_tool_calls
+    from furlong.engine.openai_api import openai_tool_calls as parse_tool_calls
 
     assert parse_tool_calls("hi <tool_call>{oops</tool_call>") == ("hi <tool_call>{oops</tool_call>", [])
     content, calls = parse_tool_calls('a<tool_call>{"name": "f", "arguments": "{}"}</tool_call>b')

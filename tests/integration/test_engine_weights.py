@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM
 
 from furlong.engine.request import Request
 from furlong.engine.sampler import SamplingParams
-from furlong.engine.scheduler import Engine
+from furlong.engine.engine import Engine
 from furlong.engine.server import ServerThread
 from furlong.models import create_model
 from furlong.weights.tensors import write_shm

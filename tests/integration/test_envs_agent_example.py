@@ -16,9 +16,9 @@ from pathlib import Path
 import httpx
 
 from furlong.config.registry import load_plugin
-from furlong.envs.sessions import ServerThread, SessionServer
+from furlong.envs.session_server import ServerThread, SessionServer
 from furlong.models import load_tokenizer
-from furlong.rollout.sample import Sample
+from furlong.core.sample import Sample
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
 from envs_scripted_engine import Script, Turn  # noqa: E402

@@ -28,11 +28,12 @@ from openai import OpenAI
 from tests.helpers import engine_process
 from furlong.data import CALCULATOR_TOOL
 from furlong.envs.multiturn import generate
-from furlong.envs.sessions import ServerThread, SessionServer
+from furlong.envs.session_server import ServerThread, SessionServer
 from furlong.models import load_tokenizer
-from furlong.rollout.client import EngineClient
-from furlong.rollout.generate import RolloutContext, encode_prompt
-from furlong.rollout.sample import Sample, Source, Status
+from furlong.core.client import EngineClient
+from furlong.data.chat import encode_prompt
+from furlong.rollout.generate import RolloutContext
+from furlong.core.sample import Sample, Source, Status
 
 TOKEN = "envs-test-token"
 QUESTION = {"role": "user", "content": "Use the calculator to compute 12 * 34."}

@@ -17,7 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from furlong.envs.sandbox import LocalSandbox, SandboxLimits
+from furlong.envs.sandbox.base import SandboxLimits
+from furlong.envs.sandbox.local import LocalSandbox
 
 BOX = LocalSandbox(SandboxLimits(timeout_s=2.0, memory_mb=512, max_procs=16, max_output_bytes=1000))
 

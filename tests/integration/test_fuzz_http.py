@@ -20,8 +20,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from furlong.cluster.processes import ManagedProcess, free_port, furlong_argv
-from furlong.engine.server import CONTROL_PATHS
+from furlong.core.processes import ManagedProcess, free_port, furlong_argv
+from furlong.core.api import CONTROL_PATHS
 from furlong.models import create_model
 
 TOKEN = "fuzz-admin-token"
@@ -220,7 +220,7 @@ def test_router_every_endpoint_never_5xx(servers, data):
 @pytest.fixture(scope="module")
 def dashboard(tmp_path_factory):
     from furlong.dashboard.server import serve_in_thread
-    from furlong.observe.synthetic import write_synthetic_run
+    from tests.fixtures.synthetic_run import write_synthetic_run
 
     run_dir = tmp_path_factory.mktemp("dash_run")
     write_synthetic_run(run_dir, steps=2)
@@ -253,7 +253,7 @@ def test_dashboard_integer_beyond_64_bits_is_a_4xx(dashboard):
 
 def test_engine_refuses_an_oversized_body_with_413(servers):
     """A body over the engine's limit (64 MiB), sent chunked, is refused before it is parsed; the engine keeps serving."""
-    from furlong.engine.server import MAX_BODY_BYTES
+    from furlong.engine.http import MAX_BODY_BYTES
 
     def chunks():
         yield b'{"text": "'

@@ -27,7 +27,7 @@ ALLOWED = {  # (file, call) -> why it is not network input
 
 
 def test_admin_token_is_per_run_stable_and_private(tmp_path):
-    from furlong.train.run import admin_token
+    from furlong.driver.rundir import admin_token
 
     a, b = tmp_path / "a", tmp_path / "b"
     a.mkdir(), b.mkdir()
@@ -38,7 +38,7 @@ def test_admin_token_is_per_run_stable_and_private(tmp_path):
 
 
 def test_control_paths_cover_weights_abort_pause_and_flush():
-    from furlong.engine.server import CONTROL_PATHS
+    from furlong.core.api import CONTROL_PATHS
     from furlong.router.server import CONTROL
 
     need = {"/abort_request", "/pause_generation", "/continue_generation", "/flush_cache",
@@ -50,10 +50,10 @@ def test_control_paths_cover_weights_abort_pause_and_flush():
 def test_every_server_binds_loopback_by_default(tmp_path, tiny_model_dir):
     from furlong.config.schema import ClusterConfig, EngineConfig, ObserveConfig, RouterConfig  # noqa: F401
     from furlong.dashboard.server import serve_in_thread as dashboard
-    from furlong.engine.scheduler import Engine
+    from furlong.engine.engine import Engine
     from furlong.engine.server import ServerThread
-    from furlong.envs.sessions import ServerThread as SessionThread
-    from furlong.envs.sessions import SessionServer
+    from furlong.envs.session_server import ServerThread as SessionThread
+    from furlong.envs.session_server import SessionServer
     from furlong.router.server import serve_in_thread as router
 
     assert EngineConfig().host == LOOPBACK and RouterConfig().host == LOOPBACK
@@ -119,7 +119,7 @@ def test_nothing_is_unpickled_or_evaluated():
 
 
 def test_sandboxed_code_runs_in_a_process_of_its_own():
-    from furlong.envs.sandbox import LocalSandbox
+    from furlong.envs.sandbox.local import LocalSandbox
 
     result = asyncio.run(LocalSandbox().run("import os\nprint(os.getpid(), os.getppid())"))
     assert result["status"] == "ok", result

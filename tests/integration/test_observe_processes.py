@@ -7,7 +7,7 @@ import sqlite3
 
 from furlong.observe.reader import RunReader
 from furlong.observe.store import DB_NAME, EventStore
-from furlong.rollout.sample import Sample, Source, Status
+from furlong.core.sample import Sample, Source, Status
 
 
 def make_sample(index=0) -> Sample:

@@ -160,7 +160,7 @@ def finish(driver: Driver, run_dir: Path) -> dict[str, Any]:
 
 # ---------------------------------------------------------------- what runs leave
 def samples(run_dir: Path) -> list[list[Any]]:
-    from furlong.rollout.sample import Sample
+    from furlong.core.sample import Sample
 
     return [[Sample.from_json(line).validate() for line in (run_dir / "samples" / f"step_{i}.jsonl").read_text().splitlines()]
             for i in range(STEPS)]
@@ -263,7 +263,7 @@ def test_sigkilled_driver_resumes_to_the_uninterrupted_weights(sync_run):
 
     The kill leaves nothing behind: Ray fate-shares its GCS, raylet and workers with the
     driver, engines and router die with their actor (PR_SET_PDEATHSIG), and the driver's
-    reaper (`cluster/processes.py`) kills Ray's agents, which otherwise outlive it.
+    reaper (`core/processes.py`) kills Ray's agents, which otherwise outlive it.
     """
     run_dir = sync_run.parent / "killed"
     ckpt = run_dir / "checkpoints" / "step_1" / "driver_state.json"

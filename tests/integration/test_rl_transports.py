@@ -58,7 +58,7 @@ def ray_session():
 @pytest.mark.parametrize("transport", ["shm", "broadcast", "p2p", "disk", "delta"])
 def test_one_step_with_each_transport_leaves_engine_weights_equal_to_the_trainer(tmp_path, transport):
     from furlong.config import load_config
-    from furlong.train.run import Run
+    from furlong.driver.run import Run
 
     (tmp_path / "run").mkdir()
     (tmp_path / "run" / "admin_token").write_text(TOKEN)

@@ -19,10 +19,10 @@ from tests.helpers import engine_process
 from furlong.data import TASKS, DataSource
 from furlong.models import load_tokenizer
 from furlong.config.schema import RolloutConfig
-from furlong.rollout.client import EngineClient
+from furlong.core.client import EngineClient
 from furlong.rollout.generate import generate
 from furlong.rollout.manager import RolloutManager
-from furlong.rollout.sample import Status
+from furlong.core.sample import Status
 
 TOKEN = "rollout-test-token"
 

@@ -19,11 +19,12 @@ from pathlib import Path
 import httpx
 import pytest
 
-from furlong.cluster.processes import ManagedProcess, free_port
+from furlong.core.processes import ManagedProcess, free_port
 from furlong.config.schema import EnvsConfig
 from furlong.envs.coding import CodingEnvironment, make_prompts
-from furlong.envs.sandbox import SandboxLimits, build_sandbox
-from furlong.rollout.sample import Sample
+from furlong.envs.sandbox.base import SandboxLimits
+from furlong.envs.sandbox.factory import build_sandbox
+from furlong.core.sample import Sample
 
 FAKES = Path(__file__).resolve().parents[1] / "fakes"
 KEY = "fake-key-123"
@@ -33,10 +34,10 @@ PROVIDERS = ["e2b", "daytona"]
 def provider_class(name: str):
     pytest.importorskip(name, reason=f"the {name} SDK is not installed (pip install 'furlong[envs]')")
     if name == "e2b":
-        from furlong.envs.sandbox_e2b import E2BSandbox
+        from furlong.envs.sandbox.e2b import E2BSandbox
 
         return E2BSandbox
-    from furlong.envs.sandbox_daytona import DaytonaSandbox
+    from furlong.envs.sandbox.daytona import DaytonaSandbox
 
     return DaytonaSandbox
 
@@ -89,7 +90,7 @@ def test_runner_caps_output_and_time_inside_the_sandbox():
     import json
     import subprocess
 
-    from furlong.envs.sandbox_remote import RUNNER_SOURCE, parse_result
+    from furlong.envs.sandbox.remote import RUNNER_SOURCE, parse_result
 
     job = {"files": {"main.py": "import sys, time\nprint('o' * 10**6)\nsys.stdout.flush()\ntime.sleep(60)"},
            "stdin": "", "timeout_s": 1.0, "memory_mb": 512, "max_output_bytes": 500}
@@ -270,7 +271,7 @@ def test_missing_sdk_names_the_extra():
     import subprocess
 
     code = ("import sys\nsys.modules['e2b'] = sys.modules['daytona'] = None\n"
-            "from furlong.config.schema import EnvsConfig\nfrom furlong.envs.sandbox import build_sandbox\n"
+            "from furlong.config.schema import EnvsConfig\nfrom furlong.envs.sandbox.factory import build_sandbox\n"
             "for name in ('e2b', 'daytona'):\n"
             "    try:\n        build_sandbox(EnvsConfig(sandbox=name))\n"
             "    except ImportError as e:\n        print(e)\n")

@@ -12,7 +12,7 @@ import os
 
 import pytest
 
-from furlong.envs.sandbox import SandboxLimits
+from furlong.envs.sandbox.base import SandboxLimits
 from test_sandbox_providers import PROVIDERS, provider_class
 
 

@@ -12,7 +12,6 @@ import socket
 import subprocess
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -21,6 +20,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def algo(**kw):
+    from furlong.config.schema import AlgoConfig
+
     base = dict(
         name="grpo", advantage="grpo", norm_adv_by_std=True, gamma=1.0, lam=0.95, clip_eps_low=0.2,
         clip_eps_high=0.28, dual_clip_c=None, ratio_type="token", log_ratio_clamp=20.0, kl_coef=0.05, kl_type="k3",
@@ -29,11 +30,11 @@ def algo(**kw):
         value_clip=0.2, distill_mode="advantage", distill_coef=1.0,
     )
     base.update(kw)
-    return SimpleNamespace(**base)
+    return AlgoConfig(**base)
 
 
 def make_samples(step: int, n: int = 8):
-    from furlong.rollout.sample import Sample
+    from furlong.core.sample import Sample
 
     g = torch.Generator().manual_seed(1000 + step)
     out = []
@@ -51,12 +52,12 @@ def make_samples(step: int, n: int = 8):
 def _worker(mode: str, out: str, rank: int, world: int, extra: str) -> None:
     torch.set_num_threads(1)
     from furlong.models import create_model
-    from furlong.train.settings import TrainerConfig
+    from furlong.config.schema import TrainConfig
     from furlong.train.trainer import Trainer
 
     model = create_model("qwen3", "tiny")
     if mode == "ws":
-        cfg = TrainerConfig(world_size=world, backend="gloo", lr=1e-3, micro_batch_tokens=24, grad_clip=1.0)
+        cfg = TrainConfig(world_size=world, backend="gloo", lr=1e-3, micro_batch_tokens=24, grad_clip=1.0)
         tr = Trainer(model, cfg, algo(), rank=rank, world_size=world, temperature=0.8)
         metrics = [tr.train_step(make_samples(s)) for s in range(2)]
         weights = dict(tr.state_dict_for_sync())
@@ -64,7 +65,7 @@ def _worker(mode: str, out: str, rank: int, world: int, extra: str) -> None:
             torch.save({"metrics": metrics, "weights": weights}, out)
         return
     # resume scenarios: PPO with a critic, a refreshed reference and a warm-up + cosine schedule
-    cfg = TrainerConfig(lr=2e-3, micro_batch_tokens=40, lr_schedule="cosine", warmup_steps=2, total_steps=6, ref_update_every=2)
+    cfg = TrainConfig(lr=2e-3, micro_batch_tokens=40, lr_schedule="cosine", warmup_steps=2, total_steps=6, ref_update_every=2)
     tr = Trainer(model, cfg, algo(name="ppo", advantage="gae"), temperature=0.9)
     k, total = 2, 4
     if mode == "second":

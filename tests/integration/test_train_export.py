@@ -12,7 +12,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
 from test_train_trainer import MODEL, algo, samples  # noqa: E402
 
 from furlong.cli import main as furlong  # noqa: E402
-from furlong.train.settings import LoraSettings, TrainerConfig  # noqa: E402
+from furlong.config.schema import LoraConfig, TrainConfig  # noqa: E402
 from furlong.train.trainer import Trainer  # noqa: E402
 
 IDS = torch.tensor([[5, 17, 33, 2, 90, 41, 7]])
@@ -27,7 +27,7 @@ def _logits(model) -> torch.Tensor:
 def test_export_latest_full_checkpoint(tmp_path: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tr = Trainer(MODEL, TrainerConfig(lr=1e-2), algo())
+    tr = Trainer(MODEL, TrainConfig(lr=1e-2), algo())
     run = tmp_path / "runs" / "demo"
     tr.train_step(samples(0))
     tr.save(run / "checkpoints" / "step_1")
@@ -47,7 +47,7 @@ def test_export_lora_merged_and_adapter(tmp_path: Path) -> None:
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    cfg = TrainerConfig(lr=1e-2, lora=LoraSettings(enabled=True, r=4, alpha=8))
+    cfg = TrainConfig(lr=1e-2, lora=LoraConfig(enabled=True, r=4, alpha=8))
     tr = Trainer(MODEL, cfg, algo())
     for s in range(2):
         tr.train_step(samples(s))

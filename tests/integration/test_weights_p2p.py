@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 
 from transformers import AutoModelForCausalLM
 
-from furlong.engine.scheduler import Engine
+from furlong.core.net import free_port
+from furlong.engine.engine import Engine
 from furlong.engine.server import ServerThread
 from furlong.models import create_model
 from furlong.weights.tensors import checksum
@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 from transformers import AutoModelForCausalLM
 from furlong.train.dist import init, shard
-from furlong.weights.sync import make_sender
+from furlong.weights.factory import make_sender
 
 rank, world, url, model, token = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5]
 device = init(rank, world, "gloo")
@@ -42,12 +42,6 @@ sender.close()
 print("REPORT " + json.dumps({"rank": rank, "tensors": report.tensors, "bytes": report.bytes, "buckets": report.buckets, "verified": report.verified}))
 dist.destroy_process_group()
 """
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_two_fsdp_ranks_each_send_their_own_part():

@@ -19,10 +19,11 @@ from transformers import AutoModelForCausalLM
 
 from furlong.engine.request import Request
 from furlong.engine.sampler import SamplingParams
-from furlong.engine.scheduler import Engine
+from furlong.engine.engine import Engine
 from furlong.engine.server import ServerThread
 from furlong.models import create_model
-from furlong.weights.sync import WeightSyncError, make_sender
+from furlong.weights.factory import make_sender
+from furlong.weights.report import WeightSyncError
 from furlong.weights.tensors import checksum
 
 TOKEN = "adm"

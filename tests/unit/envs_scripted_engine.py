@@ -12,7 +12,7 @@ from types import SimpleNamespace
 
 import httpx
 
-from furlong.rollout.client import EngineClient
+from furlong.core.client import EngineClient
 from furlong.rollout.generate import RolloutContext
 
 

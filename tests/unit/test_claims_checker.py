@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from furlong.claims import Problem
-from furlong.claims.check import run_checks
-from furlong.claims.manifest import load, with_table
+from tools.claims import Problem
+from tools.claims.check import run_checks
+from tools.claims.manifest import load, with_table
 
 ROOT = Path(__file__).resolve().parents[2]
 

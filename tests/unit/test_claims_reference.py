@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from furlong.claims.check import check_references
-from furlong.claims.reference import CLI_PAGE, CONFIG_PAGE, cli_page, collect_help, config_page
+from tools.claims.check import check_references
+from tools.claims.reference import CLI_PAGE, CONFIG_PAGE, cli_page, collect_help, config_page
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -26,16 +26,16 @@ def test_cli_reference_is_current(helps: dict[str, str]) -> None:
     assert "usage: furlong COMMAND" in helps[""]
     assert all(text.strip() for text in helps.values())
     committed = (ROOT / CLI_PAGE).read_text(encoding="utf-8")
-    assert committed == cli_page(helps), f"{CLI_PAGE} is stale: run `python -m furlong.claims --write-reference`"
+    assert committed == cli_page(helps), f"{CLI_PAGE} is stale: run `python -m tools.claims --write-reference`"
 
 
 def test_config_reference_is_current() -> None:
     committed = (ROOT / CONFIG_PAGE).read_text(encoding="utf-8")
-    assert committed == config_page(), f"{CONFIG_PAGE} is stale: run `python -m furlong.claims --write-reference`"
+    assert committed == config_page(), f"{CONFIG_PAGE} is stale: run `python -m tools.claims --write-reference`"
 
 
 def test_stale_reference_page_is_reported_with_its_line(tmp_path: Path, monkeypatch, helps) -> None:
-    monkeypatch.setattr("furlong.claims.reference.collect_help", lambda: helps)
+    monkeypatch.setattr("tools.claims.reference.collect_help", lambda: helps)
     page = tmp_path / CONFIG_PAGE
     page.parent.mkdir(parents=True)
     lines = config_page().splitlines()

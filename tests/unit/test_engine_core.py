@@ -10,7 +10,7 @@ from transformers import AutoModelForCausalLM
 
 from furlong.engine.request import Request
 from furlong.engine.sampler import SamplingParams
-from furlong.engine.scheduler import Engine
+from furlong.engine.engine import Engine
 from furlong.models import create_model
 
 PROMPTS = [[5, 6, 7], [9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21], [300, 2, 40, 41, 42, 43], [77] * 19]

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from furlong.engine import protocol as P
+from furlong.core import api as P
+from furlong.engine import validate as V
 from furlong.engine.kv_cache import BlockPool
 from furlong.engine.sampler import SamplingParams, sample
 from furlong.weights.tensors import checksum, shm_views, write_shm
@@ -122,8 +123,8 @@ def test_protocol_names_the_field():
     with pytest.raises(P.BadRequest, match=r"^sampling_params.top_k"):
         P.parse(P.GenerateIn, {"input_ids": [1], "sampling_params": {"top_k": 1.5}})
     with pytest.raises(P.BadRequest, match="input_ids: token id 7"):
-        P.check_prompt([1, 7], "input_ids", vocab=5, max_context=10, kv_tokens=100)
+        V.check_prompt([1, 7], "input_ids", vocab=5, max_context=10, kv_tokens=100)
     with pytest.raises(P.BadRequest, match="KV cache"):
-        P.check_prompt([1, 2, 3], "input_ids", vocab=5, max_context=10, kv_tokens=3)
-    sp = P.to_sampling(P.SamplingParamsIn(sampling_seed=4, stop="x"), prompt_len=3, max_context=10, default_max=128)
+        V.check_prompt([1, 2, 3], "input_ids", vocab=5, max_context=10, kv_tokens=3)
+    sp = V.to_sampling(P.SamplingParamsIn(sampling_seed=4, stop="x"), prompt_len=3, max_context=10, default_max=128)
     assert sp.seed == 4 and sp.stop == ["x"] and sp.max_new_tokens == 7

@@ -18,12 +18,13 @@ from furlong.data import CALCULATOR_TOOL, TASKS
 from furlong.data.tasks import score_integer
 from furlong.envs import agent as glue
 from furlong.envs.calculator import write_demonstrations
-from furlong.envs.chat import conversation_sample
+from furlong.data.chat import conversation_sample
 from furlong.envs.multiturn import generate as multiturn_generate
-from furlong.envs.sessions import ServerThread, SessionServer, template_tools
+from furlong.envs.session_server import ServerThread, SessionServer
+from furlong.envs.session_store import template_tools
 from furlong.models import load_tokenizer
-from furlong.rollout.generate import encode_prompt
-from furlong.rollout.sample import Sample, Status
+from furlong.data.chat import encode_prompt
+from furlong.core.sample import Sample, Status
 
 from envs_scripted_engine import Script, Turn
 
@@ -150,11 +151,11 @@ def test_calculator_demonstrations(tmp_path):
 def test_driver_warmup_reads_conversation_demonstrations(tmp_path, tok):
     """`data.sft_path` with whole conversations: the driver's warm-up samples are `conversation_sample`s."""
     from furlong.config import load_config
-    from furlong.train.run import sft_samples, sft_source
+    from furlong.data.sft import sft_samples, sft_source
 
     path = write_demonstrations(tmp_path / "d.jsonl", 8, seed=2, flawed=0.5)
     cfg = load_config(None, [f"data.sft_path={path}", "data.task=calculator"])
-    prompts = sft_source(cfg, None).next_batch(8)
+    prompts = sft_source(cfg.data, None, seed=cfg.seed).next_batch(8)
     got = sft_samples(prompts, tok, chat=True)
     demos = {json.dumps(d["messages"][0]): d for d in map(json.loads, path.read_text().splitlines())}
     for p, s in zip(prompts, got):

@@ -15,8 +15,8 @@ import pytest
 from furlong.data import TASKS
 from furlong.envs.multiturn import generate
 from furlong.models import load_tokenizer
-from furlong.rollout.generate import encode_prompt
-from furlong.rollout.sample import Sample, Source, Status
+from furlong.data.chat import encode_prompt
+from furlong.core.sample import Sample, Source, Status
 
 from envs_scripted_engine import Script, Turn
 

@@ -15,10 +15,10 @@ import httpx
 import pytest
 
 from furlong.data import CALCULATOR_TOOL
-from furlong.envs.sessions import SessionServer
+from furlong.envs.session_server import SessionServer
 from furlong.models import load_tokenizer
-from furlong.rollout.generate import encode_prompt
-from furlong.rollout.sample import Sample
+from furlong.data.chat import encode_prompt
+from furlong.core.sample import Sample
 
 from envs_scripted_engine import Script, Turn
 

@@ -9,11 +9,12 @@ from types import SimpleNamespace
 import pytest
 
 from furlong.envs.calculator import CalculatorEnvironment, calculator
-from furlong.envs.chat import closing, missing_closing, suffix_ids
+from furlong.data.chat import closing, missing_closing, suffix_ids
 from furlong.envs.protocol import ToolEnvironment, build_environment
-from furlong.envs.tools import MAX_RESULT_CHARS, ToolCall, execute, execute_all, parse_tool_calls
+from furlong.core.tool_calls import ToolCall, parse_tool_calls
+from furlong.envs.tools import MAX_RESULT_CHARS, execute, execute_all
 from furlong.models import load_tokenizer
-from furlong.rollout.sample import Sample
+from furlong.core.sample import Sample
 
 
 @pytest.fixture(scope="module")

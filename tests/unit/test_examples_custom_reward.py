@@ -12,9 +12,9 @@ from rollout_fake_engine import CharTokenizer, FakeEngine
 from furlong.config import load_config
 from furlong.config.registry import load_plugin
 from furlong.data import DataSource, Prompt
-from furlong.rollout.client import EngineClient
+from furlong.core.client import EngineClient
 from furlong.rollout.manager import RolloutManager
-from furlong.rollout.sample import Sample, Status
+from furlong.core.sample import Sample, Status
 
 ROOT = Path(__file__).resolve().parents[2]
 RECIPE = ROOT / "examples" / "custom_reward" / "recipe.yaml"

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from furlong.engine.scheduler import Engine
+from furlong.engine.engine import Engine
 from furlong.engine.server import ServerThread
 from furlong.models import load_tokenizer
 from furlong.router import serve_in_thread

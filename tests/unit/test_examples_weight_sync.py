@@ -9,7 +9,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from furlong.engine.scheduler import Engine
+from furlong.engine.engine import Engine
 from furlong.engine.server import ServerThread
 from furlong.models import create_model
 

@@ -8,7 +8,7 @@ import time
 from furlong.observe.advisories import advise
 from furlong.observe.reader import RunReader
 from furlong.observe.store import EventStore
-from furlong.rollout.sample import Sample, Status
+from furlong.core.sample import Sample, Status
 
 
 def group(step, g, rewards, statuses=None, length=4):

@@ -11,7 +11,7 @@ import pytest
 
 from furlong.observe.reader import RunReader
 from furlong.observe.store import DB_NAME, EventStore
-from furlong.rollout.sample import Sample, Source, Status
+from furlong.core.sample import Sample, Source, Status
 
 
 class ByteTokenizer:

@@ -11,9 +11,9 @@ from rollout_fake_engine import CharTokenizer, FakeEngine
 
 from furlong.data import DataSource, Prompt
 from furlong.config.schema import RolloutConfig
-from furlong.rollout.client import EngineClient
+from furlong.core.client import EngineClient
 from furlong.rollout.manager import RolloutExhausted, RolloutManager
-from furlong.rollout.sample import Status
+from furlong.core.sample import Status
 
 
 def Cfg(**kw):
@@ -458,5 +458,48 @@ def test_exhausted_data_source_and_bad_config():
             RolloutManager(Cfg().model_copy(update={"mode": "fast"}), source, client)
         with pytest.raises(ValueError, match="rollout.reward_fn"):
             RolloutManager(Cfg().model_copy(update={"reward_fn": "no_such_module:fn"}), source, client)
+
+    asyncio.run(main())
+
+
+def test_reward_post_fn_reshapes_the_formed_batch_sync_or_async():
+    """`rollout.reward_post_fn` sees the whole batch once it is formed (indices set) and sets each reward."""
+
+    async def shift(samples):
+        return [0.5 + (s.index % 2) / 4 for s in samples]
+
+    async def main():
+        engine = FakeEngine()
+        for fn in (shift, lambda samples: [float(s.group_index) for s in samples]):
+            mgr = make_manager(Cfg(), engine, reward_post_fn=fn)
+            batch = await mgr.next_batch(0)
+            want = await fn(batch) if fn is shift else fn(batch)
+            assert [s.reward for s in batch] == want
+            await mgr.close()
+
+    asyncio.run(main())
+
+
+def test_a_shared_weight_version_is_asked_not_copied():
+    """In a run the driver owns the version: the manager measures staleness against the owner's current one."""
+    from furlong.core.version import WeightVersion
+
+    async def main():
+        engine, owner = FakeEngine(), WeightVersion(0)
+        mgr = make_manager(Cfg(), engine, weights=owner)
+        await mgr.next_batch(0)
+        await mgr.before_weight_sync()
+        owner.advance(1)  # the weight sync moved it
+        assert mgr.version == 1 and mgr.stats()["version"] == 1
+        await mgr.on_weights_updated(1)  # equal: a no-op
+        with pytest.raises(ValueError, match="older"):
+            await mgr.on_weights_updated(0)
+        state = mgr.state_dict()
+        await mgr.close()
+        other = WeightVersion(5)
+        mgr2 = make_manager(Cfg(), engine, weights=other)
+        mgr2.load_state_dict(state)  # the driver restores its owner itself, from its own checkpoint state
+        assert other.current == 5 and mgr2.version == 5
+        await mgr2.close()
 
     asyncio.run(main())

@@ -11,12 +11,13 @@ import pytest
 from rollout_fake_engine import FakeEngine, FlakyTransport
 
 from furlong.rollout.buffer import Group, GroupBuffer
-from furlong.rollout.client import EngineClient, EngineError
+from furlong.core.client import EngineClient, EngineError
 from furlong.rollout.eval import k_values, pass_at_k
 from furlong.rollout.filters import apply_sample_filter, group_drop_reason, zero_variance
-from furlong.rollout.generate import RolloutContext, apply_response, derive_seed, encode_prompt, generate, reset_response
+from furlong.data.chat import encode_prompt
+from furlong.rollout.generate import RolloutContext, apply_response, derive_seed, generate, reset_response
 from furlong.rollout.rewards import check_reward, load_fn, score_group, score_sample, task_reward
-from furlong.rollout.sample import Sample, Status
+from furlong.core.sample import Sample, Status
 
 
 # ---------------------------------------------------------------- pass@k

@@ -2,7 +2,7 @@ import math
 
 import pytest
 
-from furlong.rollout.sample import Sample, SampleError, Source, Status
+from furlong.core.sample import Sample, SampleError, Source, Status
 
 
 def make() -> Sample:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from furlong.rollout.sample import Sample, SampleError
+from furlong.core.sample import Sample, SampleError
 from furlong.train.batch import TrainBatch, micro_batches, pack, partition
 
 

@@ -11,12 +11,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from test_train_trainer import MODEL, algo, samples  # noqa: E402
 
-from furlong.train.settings import LoraSettings, TrainerConfig  # noqa: E402
+from furlong.config.schema import LoraConfig, TrainConfig  # noqa: E402
 from furlong.train.trainer import Trainer  # noqa: E402
 
 
 def lora_trainer(**algo_kw) -> Trainer:
-    cfg = TrainerConfig(lr=1e-2, lora=LoraSettings(enabled=True, r=4, alpha=8, target_modules=["q_proj", "v_proj", "down_proj"]))
+    cfg = TrainConfig(lr=1e-2, lora=LoraConfig(enabled=True, r=4, alpha=8, target_modules=["q_proj", "v_proj", "down_proj"]))
     return Trainer(MODEL, cfg, algo(**algo_kw))
 
 
@@ -54,6 +54,6 @@ def test_merged_sync_weights_equal_adapter_forward() -> None:
 
 
 def test_lora_with_ref_refresh_is_rejected() -> None:
-    cfg = TrainerConfig(ref_update_every=2, lora=LoraSettings(enabled=True))
+    cfg = TrainConfig(ref_update_every=2, lora=LoraConfig(enabled=True))
     with pytest.raises(ValueError, match="ref_update_every"):
         Trainer(MODEL, cfg, algo(kl_coef=0.1))

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from furlong.train.optim import build_optimizer, build_scheduler, lr_factor
-from furlong.train.settings import TrainerConfig
+from furlong.config.schema import TrainConfig
 
 
 def test_schedules_by_hand() -> None:
@@ -24,11 +24,11 @@ def test_bad_schedule_names_the_field() -> None:
     with pytest.raises(ValueError, match="train.lr_schedule"):
         lr_factor(0, "exp", 0, 10)
     with pytest.raises(ValueError, match="train.total_steps"):
-        build_scheduler(torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0), TrainerConfig(lr_schedule="cosine", warmup_steps=5, total_steps=5))
+        build_scheduler(torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0), TrainConfig(lr_schedule="cosine", warmup_steps=5, total_steps=5))
 
 
 def test_scheduler_drives_adamw_lr() -> None:
-    cfg = TrainerConfig(lr=0.1, lr_schedule="linear", warmup_steps=1, total_steps=3)
+    cfg = TrainConfig(lr=0.1, lr_schedule="linear", warmup_steps=1, total_steps=3)
     p = torch.nn.Parameter(torch.ones(2))
     opt = build_optimizer([p], cfg)
     sched = build_scheduler(opt, cfg)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import math
 
-from furlong.rollout.sample import Sample
-from furlong.train.logging import rollout_metrics
+from furlong.core.sample import Sample
+from furlong.driver.metrics import rollout_metrics
 
 
 def _sample(reward, n: int = 3) -> Sample:

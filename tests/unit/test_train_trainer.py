@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 import torch
 
+from furlong.config.schema import AlgoConfig, TrainConfig
+from furlong.core.sample import Sample
 from furlong.models import create_model, load_tokenizer
-from furlong.rollout.sample import Sample
-from furlong.train.settings import TrainerConfig
 from furlong.train.trainer import Trainer
 
 torch.set_num_threads(1)
@@ -25,7 +23,7 @@ def algo(**kw):
         value_clip=0.2, distill_mode="advantage", distill_coef=1.0,
     )
     base.update(kw)
-    return SimpleNamespace(**base)
+    return AlgoConfig(**base)
 
 
 def samples(seed: int = 0, n: int = 8) -> list[Sample]:
@@ -54,7 +52,7 @@ def test_grad_accumulation_equals_one_big_batch(reducer: str) -> None:
     """
     results = []
     for budget in (10_000, 20):  # one micro-batch vs several
-        tr = Trainer(MODEL, TrainerConfig(lr=1e-3, micro_batch_tokens=budget), algo(loss_reducer=reducer, reducer_constant=16.0, kl_coef=0.1, entropy_coef=0.01))
+        tr = Trainer(MODEL, TrainConfig(lr=1e-3, micro_batch_tokens=budget), algo(loss_reducer=reducer, reducer_constant=16.0, kl_coef=0.1, entropy_coef=0.01))
         assert len(tr._plan(tr.prepare(samples()).seq_lengths)) == (1 if budget > 1000 else 5)
         m = [tr.train_step(samples(0))]
         grads = {n: p.grad.clone() for n, p in tr.policy.named_parameters()}
@@ -73,7 +71,7 @@ def test_logprobs_at_rollout_temperature() -> None:
     from transformers import AutoModelForCausalLM
 
     batch = samples(3, n=3)
-    tr = Trainer(MODEL, TrainerConfig(micro_batch_tokens=16), algo(), temperature=0.6)
+    tr = Trainer(MODEL, TrainConfig(micro_batch_tokens=16), algo(), temperature=0.6)
     got = tr.compute_logprobs(batch)
     model = AutoModelForCausalLM.from_pretrained(MODEL)
     for s, lp in zip(batch, got):
@@ -83,7 +81,7 @@ def test_logprobs_at_rollout_temperature() -> None:
 
 
 def test_metrics_and_reference_refresh() -> None:
-    tr = Trainer(MODEL, TrainerConfig(lr=1e-2, ref_update_every=2, grad_clip=0.5), algo(kl_coef=0.1))
+    tr = Trainer(MODEL, TrainConfig(lr=1e-2, ref_update_every=2, grad_clip=0.5), algo(kl_coef=0.1))
     m = tr.train_step(samples(0))
     for key in ("loss", "grad_norm", "lr", "tokens", "policy/clip_frac", "policy/kl_ref", "policy/entropy",
                 "mismatch/logprob_abs_diff", "mismatch/kl", "mismatch/ess_ratio", "loss/policy", "loss/kl"):
@@ -97,7 +95,7 @@ def test_metrics_and_reference_refresh() -> None:
 
 
 def test_ppo_trains_the_critic() -> None:
-    tr = Trainer(MODEL, TrainerConfig(lr=1e-2), algo(name="ppo", advantage="gae"))
+    tr = Trainer(MODEL, TrainConfig(lr=1e-2), algo(name="ppo", advantage="gae"))
     before = {k: v.clone() for k, v in tr.critic.state_dict().items()}
     m = tr.train_step(samples(0))
     assert m["loss/value"] > 0 and m["critic/grad_norm"] > 0
@@ -121,7 +119,7 @@ def _sft_samples(split: str, n: int, tok) -> list[Sample]:
 def test_sft_lowers_held_out_loss() -> None:
     tok = load_tokenizer(MODEL)
     train, held_out = _sft_samples("train", 64, tok), _sft_samples("eval", 32, tok)
-    tr = Trainer(MODEL, TrainerConfig(lr=3e-3, micro_batch_tokens=512), algo(name="sft"))
+    tr = Trainer(MODEL, TrainConfig(lr=3e-3, micro_batch_tokens=512), algo(name="sft"))
 
     def held_out_nll() -> float:
         lps = tr.compute_logprobs(held_out)
@@ -139,8 +137,8 @@ def test_sft_lr_applies_to_sft_steps_only() -> None:
     """`sft_lr` is the warm-up's rate: an SFT step under it equals one with lr=sft_lr, and RL gets lr back."""
     tok = load_tokenizer(MODEL)
     batch = _sft_samples("train", 16, tok)
-    warm = Trainer(MODEL, TrainerConfig(lr=1e-5, sft_lr=3e-3, micro_batch_tokens=512), algo(name="sft"))
-    plain = Trainer(MODEL, TrainerConfig(lr=3e-3, micro_batch_tokens=512), algo(name="sft"))
+    warm = Trainer(MODEL, TrainConfig(lr=1e-5, sft_lr=3e-3, micro_batch_tokens=512), algo(name="sft"))
+    plain = Trainer(MODEL, TrainConfig(lr=3e-3, micro_batch_tokens=512), algo(name="sft"))
     assert warm.sft_step(batch)["lr"] == 3e-3
     plain.sft_step(batch)
     a, b = weights(warm), weights(plain)

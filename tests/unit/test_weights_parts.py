@@ -7,7 +7,9 @@ import torch
 
 from furlong.weights.p2p import gather_to, partition
 from furlong.weights.schema import check_against
-from furlong.weights.sync import SyncReport, WeightSyncError, buckets, make_sender
+from furlong.weights.base import buckets
+from furlong.weights.factory import make_sender
+from furlong.weights.report import SyncReport, WeightSyncError
 
 
 def named(*sizes: int) -> list[tuple[str, torch.Tensor]]:

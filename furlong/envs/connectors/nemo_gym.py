@@ -49,7 +49,7 @@ from typing import Any
 import httpx
 
 from furlong.envs.connectors.venvs import DRIVERS, VenvSpec, driver_env, ensure, run_driver
-from furlong.envs.sessions import SESSION_METADATA
+from furlong.envs.session_server import SESSION_METADATA
 
 SPEC = VenvSpec(
     name="nemo-gym", python="3.12",
@@ -116,14 +116,15 @@ class Servers:
     """NeMo Gym's servers for one Options and one session server; the driver process owns them."""
 
     def __init__(self, opts: Options, sessions_root: str):
-        from furlong.cluster.processes import ManagedProcess, _die_with_parent, free_port
+        from furlong.core.processes import ManagedProcess, _die_with_parent, free_port
 
         self.workdir = Path(tempfile.mkdtemp(prefix="furlong-nemo-gym-"))
         port = free_port()
         request = {"config_paths": list(opts.config_paths), "overrides": opts.overrides, "head_port": port,
                    "policy_base_url": f"{sessions_root}/v1", "policy_model_name": opts.model}
         argv = [str(ensure(SPEC)), str(DRIVERS / "nemo_gym_serve.py"), json.dumps(request)]
-        self.process = ManagedProcess("NeMo Gym servers", argv, f"http://127.0.0.1:{port}", self.workdir / "servers.log")
+        self.process = ManagedProcess("NeMo Gym servers", argv, f"http://127.0.0.1:{port}",
+                                      self.workdir / "servers.log")
         with open(self.process.log_path, "ab") as log:  # ManagedProcess's start, with the venv's environment
             self.process.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, cwd=self.workdir,
                                                  env=driver_env(SPEC), start_new_session=True,

@@ -57,7 +57,7 @@ from pathlib import Path
 from typing import Any
 
 from furlong.envs.connectors.venvs import DRIVERS, VenvSpec, driver_env, ensure
-from furlong.rollout.sample import Sample
+from furlong.core.sample import Sample
 
 SPEC = VenvSpec(
     name="openenv",
@@ -125,7 +125,7 @@ def server_url(opts: Options) -> str:
     """
     if opts.url:
         return opts.url.rstrip("/")
-    from furlong.cluster.processes import ManagedProcess, ProcessFailed, free_port
+    from furlong.core.processes import ManagedProcess, ProcessFailed, free_port
 
     env = opts.env if opts.env == "echo" or _APP.match(opts.env) else str(Path(opts.env).resolve())
     key = (env, int(opts.max_sessions))
@@ -276,7 +276,8 @@ class OpenEnvEnvironment:
             raise OpenEnvError(f"openenv: no reply to {message['type']} within {self.timeout_s:.0f} s "
                                f"(envs.timeout_s) from {self.url}") from None
         if msg.type != aiohttp.WSMsgType.TEXT:
-            raise OpenEnvError(f"openenv: the connection to {self.url}/ws closed during {message['type']} ({msg.type.name})")
+            raise OpenEnvError(f"openenv: the connection to {self.url}/ws closed during {message['type']} "
+                               f"({msg.type.name})")
         return json.loads(msg.data)
 
     def _socket(self, state: dict[str, Any]) -> Any:
@@ -294,7 +295,8 @@ class OpenEnvEnvironment:
             content = str(obs["error"])
         elif field is not None:
             if field not in obs:
-                raise OpenEnvError(f"envs.connector.observation_field={field!r}: the observation has only {sorted(obs)}")
+                raise OpenEnvError(f"envs.connector.observation_field={field!r}: "
+                                   f"the observation has only {sorted(obs)}")
             content = str(obs[field])
         else:
             obs.pop("metadata", None)

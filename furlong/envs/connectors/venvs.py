@@ -50,7 +50,8 @@ class VenvSpec:
     name: str  # the connector's name: openenv, verifiers, nemo-gym, harbor
     python: str  # "3.11", "3.12": major.minor
     requirements: tuple[str, ...]  # pip requirement strings, pinned
-    env: dict[str, str] = field(default_factory=dict)  # environment variables its processes need (e.g. offline switches)
+    # environment variables its processes need (e.g. offline switches)
+    env: dict[str, str] = field(default_factory=dict)
     doc: str = ""  # one line for `furlong envs list`
 
     def key(self) -> str:
@@ -80,7 +81,8 @@ def find_python(version: str) -> str:
         return sys.executable
     found = shutil.which(f"python{version}")
     candidates = ([found] if found else []) + sorted(
-        glob.glob(str(Path(os.environ.get("PYENV_ROOT", Path.home() / ".pyenv")) / "versions" / f"{version}.*" / "bin" / "python")),
+        glob.glob(str(Path(os.environ.get("PYENV_ROOT", Path.home() / ".pyenv")) / "versions" / f"{version}.*"
+                      / "bin" / "python")),
         reverse=True)
     for exe in candidates:
         try:
@@ -125,7 +127,8 @@ def ensure(spec: VenvSpec, *, force: bool = False, quiet: bool = False) -> Path:
         env = {**os.environ, "PIP_DISABLE_PIP_VERSION_CHECK": "1"}
         _run([str(root / "bin" / "python"), "-m", "pip", "install", "-q", "-c", str(constraints), *spec.requirements],
              f"installing {spec.name} ({', '.join(spec.requirements)})", log, env=env)
-        freeze = subprocess.run([str(root / "bin" / "python"), "-m", "pip", "freeze"], capture_output=True, text=True).stdout
+        freeze = subprocess.run([str(root / "bin" / "python"), "-m", "pip", "freeze"], capture_output=True,
+                                text=True).stdout
         (root / STAMP).write_text(json.dumps({"name": spec.name, "python": spec.python,
                                               "requirements": list(spec.requirements), "freeze": freeze.split(),
                                               "built_s": round(time.monotonic() - start, 1)}, indent=1))
@@ -146,7 +149,9 @@ def driver_env(spec: VenvSpec, extra: dict[str, str] | None = None) -> dict[str,
 
 def run_driver(spec: VenvSpec, driver: str, request: dict[str, Any], *, timeout_s: float = 300.0,
                env: dict[str, str] | None = None, cwd: str | Path | None = None) -> dict[str, Any]:
-    """Run `drivers/<driver>.py` in the spec's environment with `request` on stdin; its last stdout line is the JSON reply.
+    """Run `drivers/<driver>.py` in the spec's environment with `request` on stdin; returns its JSON reply.
+
+    The reply is the last line the driver prints to stdout.
 
     A driver reports its own failures as `{"error": "..."}`; a crash, a timeout or output
     that is not JSON raises VenvError with the tail of its stderr.
@@ -167,7 +172,8 @@ def run_driver(spec: VenvSpec, driver: str, request: dict[str, Any], *, timeout_
     except json.JSONDecodeError:
         reply = None
     if proc.returncode != 0 or not isinstance(reply, dict):
-        raise VenvError(f"{spec.name} driver {driver} failed (exit {proc.returncode}); stderr tail:\n{proc.stderr[-3000:]}")
+        raise VenvError(f"{spec.name} driver {driver} failed (exit {proc.returncode}); "
+                        f"stderr tail:\n{proc.stderr[-3000:]}")
     if "error" in reply:
         raise VenvError(f"{spec.name} driver {driver}: {reply['error']}")
     return reply

@@ -184,7 +184,7 @@ async def evaluate(ctx: Any, prompts_: list[Any], step: int = 0) -> dict[str, fl
     """
     from furlong.envs.agent import generate
     from furlong.rollout.eval import evaluate as furlong_evaluate
-    from furlong.rollout.generate import encode_prompt
+    from furlong.data.chat import encode_prompt
 
     tasks = prompts(options(ctx.envs))[: max(1, len(prompts_))]
     c = ctx.config

@@ -12,17 +12,18 @@ baseline, so every group-relative estimator gives it advantage 0.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
-from furlong.train.losses.reducers import masked_mean
 from furlong.config.registry import AdvantageFn  # plug points are declared once, in the registry
+from furlong.train.losses.reducers import masked_mean
+
+if TYPE_CHECKING:
+    from furlong.config.schema import AlgoConfig
 
 EPS = 1e-6
-
-
 
 
 # ---------------------------------------------------------------- group statistics
@@ -139,39 +140,47 @@ def gae(token_reward: Tensor, values: Tensor, mask: Tensor, gamma: float, lam: f
 
 
 # ---------------------------------------------------------------- registered estimators
-def _outcome_rewards(algo: Any, rewards: Tensor, mask: Tensor, kl: Tensor | None) -> Tensor:
+def _outcome_rewards(algo: AlgoConfig, rewards: Tensor, mask: Tensor, kl: Tensor | None) -> Tensor:
     """Scalar rewards, minus kl_coef * sum_t kl_t when the KL is folded into the reward."""
     if algo.kl_in_reward and kl is not None and algo.kl_coef:
         return rewards - algo.kl_coef * (kl.detach().to(rewards.dtype) * mask).sum(1)
     return rewards
 
 
-def _grpo(algo: Any, rewards: Tensor, group_index: Tensor, mask: Tensor, values: Tensor | None, kl: Tensor | None):
+def _grpo(
+    algo: AlgoConfig, rewards: Tensor, group_index: Tensor, mask: Tensor, values: Tensor | None, kl: Tensor | None
+):
     adv = grpo_advantages(_outcome_rewards(algo, rewards, mask, kl), group_index, bool(algo.norm_adv_by_std))
     return adv[:, None] * mask, None
 
 
-def _dr_grpo(algo: Any, rewards: Tensor, group_index: Tensor, mask: Tensor, values: Tensor | None, kl: Tensor | None):
+def _dr_grpo(
+    algo: AlgoConfig, rewards: Tensor, group_index: Tensor, mask: Tensor, values: Tensor | None, kl: Tensor | None
+):
     adv = grpo_advantages(_outcome_rewards(algo, rewards, mask, kl), group_index, norm_by_std=False)
     return adv[:, None] * mask, None
 
 
-def _rloo(algo: Any, rewards: Tensor, group_index: Tensor, mask: Tensor, values: Tensor | None, kl: Tensor | None):
+def _rloo(
+    algo: AlgoConfig, rewards: Tensor, group_index: Tensor, mask: Tensor, values: Tensor | None, kl: Tensor | None
+):
     return rloo_advantages(_outcome_rewards(algo, rewards, mask, kl), group_index)[:, None] * mask, None
 
 
-def _token_kl(algo: Any, kl: Tensor | None) -> Tensor | None:
+def _token_kl(algo: AlgoConfig, kl: Tensor | None) -> Tensor | None:
     return kl if algo.kl_in_reward else None
 
 
-def _reinforce_pp(algo: Any, rewards: Tensor, group_index: Tensor, mask: Tensor, values: Tensor | None, kl: Tensor | None):
+def _reinforce_pp(
+    algo: AlgoConfig, rewards: Tensor, group_index: Tensor, mask: Tensor, values: Tensor | None, kl: Tensor | None
+):
     """REINFORCE++ (Hu 2025): G_t over trained tokens with per-token KL penalty, then global whitening."""
     ret = discounted_returns(token_rewards(rewards, mask, _token_kl(algo, kl), algo.kl_coef), mask, algo.gamma)
     return whiten(ret, mask, scale=bool(algo.norm_adv_by_std)), ret
 
 
 def _reinforce_pp_baseline(
-    algo: Any, rewards: Tensor, group_index: Tensor, mask: Tensor, values: Tensor | None, kl: Tensor | None
+    algo: AlgoConfig, rewards: Tensor, group_index: Tensor, mask: Tensor, values: Tensor | None, kl: Tensor | None
 ):
     """REINFORCE++-baseline: subtract the group mean reward, then as REINFORCE++."""
     mean, _, _ = group_mean_std(rewards, group_index)
@@ -180,14 +189,18 @@ def _reinforce_pp_baseline(
     return whiten(ret, mask, scale=bool(algo.norm_adv_by_std)), ret
 
 
-def _gae(algo: Any, rewards: Tensor, group_index: Tensor, mask: Tensor, values: Tensor | None, kl: Tensor | None):
+def _gae(
+    algo: AlgoConfig, rewards: Tensor, group_index: Tensor, mask: Tensor, values: Tensor | None, kl: Tensor | None
+):
     if values is None:
         raise ValueError("algo.advantage='gae' needs critic values (`values` [B, T])")
     adv, ret = gae(token_rewards(rewards, mask, _token_kl(algo, kl), algo.kl_coef), values, mask, algo.gamma, algo.lam)
     return (whiten(adv, mask) if algo.norm_adv_by_std else adv), ret
 
 
-def _none(algo: Any, rewards: Tensor, group_index: Tensor, mask: Tensor, values: Tensor | None, kl: Tensor | None):
+def _none(
+    algo: AlgoConfig, rewards: Tensor, group_index: Tensor, mask: Tensor, values: Tensor | None, kl: Tensor | None
+):
     return torch.zeros_like(mask, dtype=rewards.dtype), None
 
 

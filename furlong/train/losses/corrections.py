@@ -24,13 +24,16 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
-from furlong.train.losses.reducers import masked_mean, masked_sum
 from furlong.config.registry import CorrectionFn  # plug points are declared once, in the registry
+from furlong.train.losses.reducers import masked_mean, masked_sum
+
+if TYPE_CHECKING:
+    from furlong.config.schema import AlgoConfig
 
 LEVELS = ("token", "sequence", "geometric")
 _EXP_GUARD = 20.0  # exp(20) ~ 5e8; beyond it the weight is truncated or masked anyway
@@ -42,8 +45,6 @@ class Correction:
 
     weights: Tensor
     metrics: dict[str, float]
-
-
 
 
 def ess_ratio(weights: Tensor, mask: Tensor) -> float:
@@ -179,29 +180,29 @@ def mismatch_metrics(old_logprobs: Tensor, rollout_logprobs: Tensor, mask: Tenso
 
 
 # ---------------------------------------------------------------- registry adapters
-def _need_rollout(algo: Any, tensors: Mapping[str, Tensor]) -> Tensor:
+def _need_rollout(algo: AlgoConfig, tensors: Mapping[str, Tensor]) -> Tensor:
     rollout = tensors.get("rollout_logprobs")
     if rollout is None:
         raise ValueError(f"algo.correction={algo.correction!r} needs tensors['rollout_logprobs'] from the engine")
     return rollout
 
 
-def _tis(algo: Any, t: Mapping[str, Tensor]) -> Correction:
+def _tis(algo: AlgoConfig, t: Mapping[str, Tensor]) -> Correction:
     return tis(t["old_logprobs"], _need_rollout(algo, t), t["mask"], algo.correction_high, algo.correction_level)
 
 
-def _mis(algo: Any, t: Mapping[str, Tensor]) -> Correction:
+def _mis(algo: AlgoConfig, t: Mapping[str, Tensor]) -> Correction:
     return mis(
         t["old_logprobs"], _need_rollout(algo, t), t["mask"], algo.correction_level, algo.correction_mode,
         algo.correction_low, algo.correction_high,
     )
 
 
-def _icepop(algo: Any, t: Mapping[str, Tensor]) -> Correction:
+def _icepop(algo: AlgoConfig, t: Mapping[str, Tensor]) -> Correction:
     return icepop(t["old_logprobs"], _need_rollout(algo, t), t["mask"], algo.correction_low, algo.correction_high)
 
 
-def _opsm(algo: Any, t: Mapping[str, Tensor]) -> Correction:
+def _opsm(algo: AlgoConfig, t: Mapping[str, Tensor]) -> Correction:
     sampling = t.get("rollout_logprobs")
     sampling = t["old_logprobs"] if sampling is None else sampling
     return opsm(t["logprobs"], sampling, t["advantages"], t["mask"], algo.correction_high)

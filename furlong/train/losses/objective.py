@@ -1,22 +1,24 @@
 """The two entry points the trainer calls: `compute_advantages` and `compute_policy_objective`.
 
-`algo` is any object with the attributes of the config's `AlgoConfig` (duck typed, so
-this package does not import the config). Each piece — advantage estimator, policy
-loss, off-policy correction, reducer — is looked up by name in its registry, or
-replaced by passing a function (the config's plug points resolve dotted paths to
-such functions).
+`algo` is the config's `AlgoConfig` (read by attribute only, so tests may pass any object
+with its fields). Each piece — advantage estimator, policy loss, off-policy correction,
+reducer — is looked up by name in its registry, or replaced by passing a function: the
+trainer passes the `train.advantage_fn` / `loss_fn` / `correction_fn` / `reducer_fn` plug
+points here, resolved by the driver, and each is called exactly as its Protocol in
+`furlong.config.registry` declares.
 
 One call computes, in this order:
     advantages (+ distillation shaping) -> behaviour correction weights w
     -> per-token clipped surrogate l_t -> L_pg = reduce(w * l)
-    L = L_pg + kl_coef * reduce(kl) - entropy_coef * reduce(H) + vf_coef * reduce(l_V) [+ distill_coef * reduce(w * l_rkl)]
+    L = L_pg + kl_coef * reduce(kl) - entropy_coef * reduce(H) + vf_coef * reduce(l_V)
+        [+ distill_coef * reduce(w * l_rkl)]
 and returns every metric the loss side knows (names listed in docs/algorithms/).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 from torch import Tensor
@@ -28,6 +30,9 @@ from furlong.train.losses.kl import kl_estimate
 from furlong.train.losses.policy import POLICY_LOSSES, LossFn, value_loss
 from furlong.train.losses.reducers import REDUCERS, ReducerFn, masked_mean
 from furlong.train.losses.sft import sft_loss
+
+if TYPE_CHECKING:
+    from furlong.config.schema import AlgoConfig
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -58,7 +63,7 @@ def _check_shapes(tensors: Mapping[str, Any], mask: Tensor) -> None:
 
 
 def compute_advantages(
-    algo: Any,
+    algo: AlgoConfig,
     rewards: Tensor,
     group_index: Tensor,
     mask: Tensor,
@@ -90,7 +95,7 @@ def compute_advantages(
 
 
 def compute_policy_objective(
-    algo: Any,
+    algo: AlgoConfig,
     tensors: Mapping[str, Any],
     *,
     loss_fn: LossFn | str | None = None,

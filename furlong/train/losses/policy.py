@@ -6,15 +6,16 @@ weights and reduced by a reducer) plus detached metrics over trained tokens.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
-from furlong.train.losses.reducers import masked_mean, masked_sum
 from furlong.config.registry import LossFn  # plug points are declared once, in the registry
+from furlong.train.losses.reducers import masked_mean, masked_sum
 
-
+if TYPE_CHECKING:
+    from furlong.config.schema import AlgoConfig
 
 
 def log_ratio(
@@ -90,7 +91,7 @@ def ppo_clip(
 
 
 def ppo_clip_loss(
-    algo: Any, logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor
+    algo: AlgoConfig, logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor
 ) -> tuple[Tensor, dict[str, float]]:
     """The registered `ppo_clip` loss: `log_ratio` per `algo.ratio_type`, then `ppo_clip` with algo's bounds."""
     log_r = log_ratio(logprobs, old_logprobs, mask, algo.ratio_type, algo.log_ratio_clamp)

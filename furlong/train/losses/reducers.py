@@ -15,12 +15,10 @@ ranks) reproduces the single-batch loss whatever the split.
 
 from __future__ import annotations
 
-
 import torch
 from torch import Tensor
+
 from furlong.config.registry import ReducerFn  # plug points are declared once, in the registry
-
-
 
 
 def masked_sum(values: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:

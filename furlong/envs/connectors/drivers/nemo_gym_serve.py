@@ -90,7 +90,8 @@ def instances(config: object) -> list[dict]:
         inner = section[kind][impl]
         if "entrypoint" in inner:
             out.append({"name": name, "type": kind, "impl": impl, "entrypoint": inner["entrypoint"],
-                        "host": inner["host"], "port": int(inner["port"]), "url": f"http://{inner['host']}:{inner['port']}",
+                        "host": inner["host"], "port": int(inner["port"]),
+                        "url": f"http://{inner['host']}:{inner['port']}",
                         "section": inner})
     return out
 
@@ -100,7 +101,9 @@ def server_dir(kind: str, impl: str) -> Path:
     from nemo_gym import PARENT_DIR
 
     local = Path.cwd() / kind / impl
-    return local if (local / "requirements.txt").exists() or (local / "pyproject.toml").exists() else PARENT_DIR / kind / impl
+    if (local / "requirements.txt").exists() or (local / "pyproject.toml").exists():
+        return local
+    return PARENT_DIR / kind / impl
 
 
 def _die_with_parent() -> None:

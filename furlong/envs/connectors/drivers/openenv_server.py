@@ -30,7 +30,8 @@ def echo_app(workdir: Path, max_sessions: int):
 
     workdir.mkdir(parents=True, exist_ok=True)
     if not (workdir / "echo_env" / "openenv.yaml").is_file():
-        init_command._generate_uv_lock = lambda env_dir: False  # a uv lock file needs uv and the network; serving does not
+        # a uv lock file needs uv and the network; serving does not
+        init_command._generate_uv_lock = lambda env_dir: False
         init_command.init("echo_env", output_dir=str(workdir))
     sys.path.insert(0, str(workdir))
     models = importlib.import_module("echo_env.models")

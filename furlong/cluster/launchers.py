@@ -1,0 +1,52 @@
+"""How each server process of a run is started: the engine by `engine.backend`, and the router.
+
+An engine is either a process (`builtin`: `furlong serve`; `sglang`: SGLang's server,
+same HTTP contract) that a `ProcessActor` owns, or, with `cluster.colocate`, the
+built-in engine inside trainer rank 0. Every engine setting reaches both forms:
+the process gets it as flags (`furlong.engine.launch.engine_argv` owns each backend's
+spelling), the colocated engine as `Engine(...)` keyword arguments.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from furlong.core.processes import furlong_argv
+
+if TYPE_CHECKING:
+    from furlong.config.schema import EngineConfig, RouterConfig
+
+
+def check_backend(engine: EngineConfig) -> None:
+    """Before anything starts: the backend exists and can start here (else a ValueError naming the setting)."""
+    from furlong.engine.launch import require_backend
+
+    require_backend(engine.backend)
+
+
+def engine_command(engine: EngineConfig, *, model_dir: str, port: int, admin_token: str, threads: int) -> list[str]:
+    """The argv of one engine process, for the launcher `engine.backend` names."""
+    from furlong.engine.launch import engine_argv
+
+    return engine_argv(engine.backend, model_dir=model_dir, host=engine.host, port=port, dtype=engine.dtype,
+                       kv_cache_mb=engine.kv_cache_mb, max_running=engine.max_running,
+                       max_context=engine.max_context, prefix_cache=engine.prefix_cache, threads=threads,
+                       admin_token=admin_token)
+
+
+def colocated_engine_kwargs(engine: EngineConfig) -> dict[str, Any]:
+    """`Engine(...)` keyword arguments of the engine colocated in trainer rank 0 (built-in engine only)."""
+    if engine.backend != "builtin":
+        raise ValueError(f"cluster.colocate: runs the built-in engine inside the trainer; "
+                         f"engine.backend={engine.backend} cannot be colocated")
+    return dict(dtype=engine.dtype, kv_cache_mb=engine.kv_cache_mb, max_running=engine.max_running,
+                max_context=engine.max_context, prefix_cache=engine.prefix_cache)
+
+
+def router_command(router: RouterConfig, *, engine_urls: list[str], port: int, admin_token: str) -> list[str]:
+    """The argv of the `furlong router` process in front of `engine_urls`."""
+    engines = [arg for url in engine_urls for arg in ("--engine", url)]
+    return furlong_argv("router", *engines, "--host", router.host, "--port", str(port), "--policy", router.policy,
+                        f"--admin-token={admin_token}", "--health-interval", str(router.health_interval_s),
+                        "--health-timeout", str(router.health_timeout_s), "--unhealthy-after",
+                        str(router.unhealthy_after), "--max-retries", str(router.max_retries))

@@ -1,0 +1,1 @@
+"""The driver, the top floor: composition root (`build`), run loop (`run`), run directory, restarts, metrics."""

@@ -1,0 +1,226 @@
+"""The RL run, top to bottom: set up, (resume,) SFT warm-up, evaluate, train, evaluate, clean up.
+
+One loop, whatever the rollout mode (DESIGN §2):
+
+    batch   = await manager.next_batch(step)         # rollouts through router -> engines, rewards shaped
+    trained = await trainers.train_rollout(batch)    # FSDP2 ranks on Ray
+    await manager.before_weight_sync()               # partial rollouts stop here
+    pause engines -> push weights (version step+1) -> continue
+    await manager.on_weights_updated(step + 1)
+
+Everything is built in `build.py` (the composition root) from the config's typed
+sections; this module only runs it. The run's weight version has one owner, the
+`WeightVersion` made here and handed to the supervisor (whose sync advances it) and
+the rollout manager (which measures staleness against it).
+
+A checkpoint (`checkpoints/step_<n>/`) holds the trainer's full state and the
+driver's: data cursor, rollout buffer, in-flight partial rollouts, counters. It
+is taken between `before_weight_sync` and `on_weights_updated`, when nothing is
+in flight, so resuming continues exactly where the run stood.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from furlong.core.version import WeightVersion
+from furlong.data.sft import sft_samples, sft_source
+from furlong.driver import build
+from furlong.driver.restarts import check_finite
+from furlong.driver.rundir import (admin_token, checkpoint_dir, latest_checkpoint, read_driver_state,
+                                   rotate_checkpoints, write_driver_state)
+
+if TYPE_CHECKING:
+    from furlong.config.schema import Config
+
+
+class Run:
+    """One training run: owns the topology, the rollout manager, the weight version and the logs."""
+
+    def __init__(self, cfg: Config, resume: bool = False, progress: bool = True):
+        self.cfg, self.resume, self.progress = cfg, resume, progress
+        self.run_dir = Path(cfg.run_dir)
+        self.version = WeightVersion(0)
+        self.step = 0
+        self.top = self.trainers = self.manager = self.supervisor = self.dashboard = self.log = None
+
+    async def run(self) -> dict[str, Any]:
+        t0 = time.perf_counter()
+        self._prepare()
+        try:
+            await self._start()
+            if self.resume:
+                await self._restore()
+            await self.sft_warmup()
+            before = await self.evaluate("before RL") if self.step == 0 else {}
+            result = await self.train()
+            after = await self.evaluate("after RL")
+            result.update(before=dict(before), after=after, minutes=(time.perf_counter() - t0) / 60,
+                          run_dir=str(self.run_dir), rollout_stats=self.manager.stats(),
+                          supervisor=self.supervisor.stats())
+            (self.run_dir / "result.json").write_text(json.dumps(result, indent=2, default=str))
+            return result
+        finally:
+            await self.close()
+
+    # ------------------------------------------------------------------ set-up
+    def _prepare(self) -> None:
+        """Plug points first (a bad path fails before anything starts), then run dir, model, tokenizer, logs."""
+        from transformers import AutoTokenizer
+
+        self.plugs = build.plugins(self.cfg)
+        self.after_save = self.plugs["train.after_save"]
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        if not self.resume:
+            self.cfg.save(self.run_dir / "config.yaml")
+        self.token = admin_token(self.run_dir)
+        self.model_dir = build.model_dir(self.cfg.model)
+        self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
+        self.log = build.metric_log(self.cfg, self.run_dir, self.tokenizer, self.plugs)
+        o = self.cfg.observe
+        if o.dashboard:
+            from furlong.dashboard.server import serve_in_thread
+
+            self.dashboard = serve_in_thread(self.run_dir, port=o.dashboard_port, follow=True)
+            self.log.note(f"dashboard: {self.dashboard.url}")
+
+    async def _start(self) -> None:
+        from furlong.cluster.engine_stats import EngineStats
+        from furlong.core.client import EngineClient
+        from furlong.data.from_config import build_data
+
+        cfg = self.cfg
+        self.source, self.evals = build_data(cfg)
+        self.log.note(f"starting topology: {cfg.train.world_size} trainer rank(s), {cfg.engine.num_engines} "
+                      f"{cfg.engine.backend} engine(s){' colocated' if cfg.cluster.colocate else ''}, router")
+        build.start_ray(cfg)
+        self.top = await asyncio.to_thread(build.topology, cfg, self.run_dir, self.model_dir, self.token, self.plugs)
+        self.trainers = self.top.trainers
+        self.client = EngineClient(self.top.router_url, admin_token=self.token)
+        self.manager = build.rollout_manager(cfg, self.source, self.evals, self.client, self.tokenizer, self.version,
+                                             self.plugs)
+        self.supervisor = build.supervisor(cfg, self.top, self.token, self.run_dir, self.version, self.log.note)
+        self.supervisor.start()  # engine health, replacement, tolerant syncs
+        self.engine_stats = EngineStats(self.top.engine_urls)
+
+    async def _sync_weights(self, version: int) -> dict[str, float]:
+        """Pause the engines, push the trainer's weights as `version` (the owner advances), continue."""
+        t0 = time.perf_counter()
+        report = await self.supervisor.sync_weights(version)
+        return {"weight_sync/seconds": time.perf_counter() - t0,
+                **{f"weight_sync/{k}": v for k, v in report.items() if isinstance(v, (int, float))}}
+
+    # ------------------------------------------------------------------ phases
+    async def sft_warmup(self) -> None:
+        steps = self.cfg.train.sft_steps
+        if not steps or self.resume:
+            return
+        chat = self.cfg.data.apply_chat_template
+        bs = self.cfg.train.global_batch_size
+        source = sft_source(self.cfg.data, self.source, seed=self.cfg.seed)
+        with self.log.progress("SFT warm-up", steps) as advance:
+            for _ in range(steps):
+                m = await self.trainers.sft_step(sft_samples(source.next_batch(bs), self.tokenizer, chat))
+                advance(f"loss {m.get('loss', float('nan')):.3f}")
+        await self._sync_weights(0)
+
+    async def evaluate(self, label: str) -> dict[str, float]:
+        if not self.evals:
+            return {}
+        metrics = await self.manager.evaluate(self.step)
+        self.log.note(f"eval ({label}): " + " ".join(f"{k}={v:.3f}" for k, v in sorted(metrics.items())))
+        return metrics
+
+    async def train(self) -> dict[str, Any]:
+        with self.log.progress("RL", self.cfg.train.total_steps, start=self.step) as advance:
+            while self.step < self.cfg.train.total_steps:
+                metrics = await self.rl_step()
+                self.log.write(self.step, metrics)
+                advance(self.log.summary(self.step, metrics))
+        await self.manager.before_weight_sync()
+        await asyncio.to_thread(self._save, self.step)
+        return {"steps": self.step}
+
+    async def rl_step(self) -> dict[str, float]:
+        """One RL step: generate, train, sync the weights (and checkpoint); its metrics."""
+        step, train = self.step, self.cfg.train
+        n = step + 1  # the step's number in the event store and metrics.jsonl: 1..total
+        span = self.log.store.span
+        t0 = time.perf_counter()
+        with span("driver", "generate", n):
+            batch = await self.manager.next_batch(step)
+        t_gen = time.perf_counter()
+        trained = await self.trainers.train_rollout(batch)
+        self.log.store.record_span("trainer/0", "forward-backward", n, *trained["span"], device="cpu:0")
+        per_opt = trained["metrics"]
+        check_finite(per_opt, train.max_nonfinite_steps, step, self.log.note)  # stops after N NaN/inf in a row
+        t_train = time.perf_counter()
+        await self.manager.before_weight_sync()
+        with span("driver", "weight-sync", n):
+            sync = await self._sync_weights(step + 1)
+        self.step = step + 1
+        if train.checkpoint_every and self.step % train.checkpoint_every == 0 and self.step < train.total_steps:
+            await asyncio.to_thread(self._save, self.step)
+        await self.manager.on_weights_updated(self.version.current)
+
+        self.log.samples(step, batch, trained, step)
+        metrics = self.log.step_metrics(batch, per_opt, self.manager.stats(), step)
+        metrics.update(sync)
+        metrics.update(await self.engine_stats.poll())
+        metrics.update({"time/rollout_wait_s": t_gen - t0, "time/train_s": t_train - t_gen,
+                        "time/step_s": time.perf_counter() - t0,
+                        "perf/samples_per_s": len(batch) / (time.perf_counter() - t0)})
+        t_eval = time.time()
+        ev = await self.manager.maybe_evaluate(step)
+        if ev:
+            self.log.store.record_span("driver", "eval", n, t_eval, time.time())
+            metrics.update(ev)
+        return metrics
+
+    # ------------------------------------------------------------------ checkpoints
+    def _save(self, step: int) -> None:
+        path = checkpoint_dir(self.run_dir, step)
+        self.trainers.save(str(path))
+        # The rollout state holds the data cursor, the buffer and in-flight partial rollouts.
+        write_driver_state(path, {"step": step, "version": self.version.current,
+                                  "rollout": self.manager.state_dict(), "log": self.log.state_dict()})
+        if self.after_save is not None:
+            self.after_save(step, str(path))
+        rotate_checkpoints(self.run_dir, self.cfg.train.keep_checkpoints)
+
+    async def _restore(self) -> None:
+        ckpt = latest_checkpoint(self.run_dir)
+        if ckpt is None:
+            self.log.note("no complete checkpoint yet: starting from step 0")
+            self.resume = False
+            return
+        state = read_driver_state(ckpt)
+        await asyncio.to_thread(self.trainers.load, str(ckpt))
+        self.manager.load_state_dict(state["rollout"])
+        self.log.load_state_dict(state.get("log", {}))
+        self.step = state["step"]
+        self.version.restore(state["version"])
+        await self._sync_weights(state["version"])
+        await self.manager.on_weights_updated(state["version"])
+        self.log.note(f"resumed from {ckpt} at step {self.step}")
+
+    async def close(self) -> None:
+        if self.supervisor is not None:  # first: shutting the engines down is not a fault
+            await self.supervisor.stop()
+            self.supervisor = None
+        if self.manager is not None:
+            try:
+                await self.manager.close()
+            except Exception:  # noqa: BLE001 - closing must go on to the topology
+                pass
+        if self.top is not None:
+            await asyncio.to_thread(self.top.shutdown)
+            self.top = None
+        if self.dashboard is not None:
+            self.dashboard.stop()
+        if self.log is not None:
+            self.log.close()
