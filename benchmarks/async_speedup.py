@@ -34,7 +34,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", type=int, default=2, help="untimed steps first")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--size", default="m25", choices=("tiny", "small", "m25"))
-    ap.add_argument("--smoke", action="store_true", help="tiny model, 2x2 samples of 8 tokens, 1 timed step: proves the script runs")
+    ap.add_argument(
+        "--smoke", action="store_true", help="tiny model, 2x2 samples of 8 tokens, 1 timed step: proves the script runs"
+    )
     args = ap.parse_args(argv)
     if args.warmup < 1 or args.steps < 1:
         ap.error("--warmup and --steps must be >= 1")
@@ -42,9 +44,12 @@ def main(argv: list[str] | None = None) -> int:
     work = Work(size=args.size, steps=args.steps, warmup=args.warmup, threads=args.threads)
     if args.smoke:
         work = Work(size="tiny", prompts=2, group=2, new_tokens=8, steps=1, warmup=1, threads=args.threads, n_train=16)
-    print(f"work: qwen3-{work.size}, {work.prompts} prompts x {work.group} samples x {work.new_tokens} tokens per step, "
-          f"{work.warmup} warm-up + {work.steps} timed steps, {work.threads} threads; "
-          f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores", flush=True)
+    print(
+        f"work: qwen3-{work.size}, {work.prompts} prompts x {work.group} samples x {work.new_tokens} tokens per step, "
+        f"{work.warmup} warm-up + {work.steps} timed steps, {work.threads} threads; "
+        f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores",
+        flush=True,
+    )
     res: dict[str, dict[str, float]] = {}
     try:
         for mode in MODES:
@@ -61,10 +66,14 @@ def main(argv: list[str] | None = None) -> int:
     for mode in MODES:
         print(breakdown(mode, res[mode]))
     load = os.getloadavg()[0]
-    print(f"\nload average {load:.1f} on {os.cpu_count()} cores"
-          + (" - other work shared the CPU; these figures understate every mode" if load > args.threads + 0.5 else ""))
-    print(f"SPEEDUP overlap_vs_sync={res['overlap']['samples_per_s'] / base:.2f} "
-          f"async_vs_sync={res['async']['samples_per_s'] / base:.2f}")
+    print(
+        f"\nload average {load:.1f} on {os.cpu_count()} cores"
+        + (" - other work shared the CPU; these figures understate every mode" if load > args.threads + 0.5 else "")
+    )
+    print(
+        f"SPEEDUP overlap_vs_sync={res['overlap']['samples_per_s'] / base:.2f} "
+        f"async_vs_sync={res['async']['samples_per_s'] / base:.2f}"
+    )
     return 0
 
 

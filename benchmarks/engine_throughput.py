@@ -44,7 +44,12 @@ def matmul_gflops(n: int = 1024, seconds: float = 1.5) -> dict[str, float]:
 
 
 def make_prompts(tok, n: int) -> list[list[int]]:
-    return [tok.encode(f"<|im_start|>user\nWhat is {17 * i % 97} + {31 * i % 89}? Answer with a number.<|im_end|>\n<|im_start|>assistant\n") for i in range(n)]
+    return [
+        tok.encode(
+            f"<|im_start|>user\nWhat is {17 * i % 97} + {31 * i % 89}? Answer with a number.<|im_end|>\n<|im_start|>assistant\n"
+        )
+        for i in range(n)
+    ]
 
 
 def bench_hf(path, prompts, new_tokens) -> float:
@@ -65,12 +70,12 @@ def bench_hf(path, prompts, new_tokens) -> float:
 
 
 def bench_engine(path, prompts, new_tokens) -> float:
+    from furlong.engine.engine import Engine
     from furlong.engine.request import Request
     from furlong.engine.sampler import SamplingParams
-    from furlong.engine.engine import Engine
 
     eng = Engine(path, max_running=len(prompts), kv_cache_mb=256).start()
-    sp = lambda n: SamplingParams(max_new_tokens=n, temperature=0, ignore_eos=True)  # noqa: E731
+    sp = lambda n: SamplingParams(max_new_tokens=n, temperature=0, ignore_eos=True)
     try:
         eng.generate([Request(p, sp(4)) for p in prompts[:2]], timeout=120)  # warm-up
         eng.flush_cache().result()
@@ -111,16 +116,51 @@ def bench_http_router(path, prompts, new_tokens, threads: int) -> float:
 
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
     ep, rp = free_port(), free_port()
-    procs = [subprocess.Popen([sys.executable, "-m", "furlong.cli", "serve", "--model", str(path), "--port", str(ep),
-                               "--max-running", str(len(prompts)), "--threads", str(threads)], env=env)]
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "furlong.cli",
+                "serve",
+                "--model",
+                str(path),
+                "--port",
+                str(ep),
+                "--max-running",
+                str(len(prompts)),
+                "--threads",
+                str(threads),
+            ],
+            env=env,
+        )
+    ]
     try:
         wait_healthy(f"http://127.0.0.1:{ep}", procs[0])
-        procs.append(subprocess.Popen([sys.executable, "-m", "furlong.cli", "router", "--engine", f"http://127.0.0.1:{ep}",
-                                       "--port", str(rp), "--log-level", "warning"], env={**env, "OMP_NUM_THREADS": "1"},
-                                      stdout=subprocess.DEVNULL))
+        procs.append(
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "furlong.cli",
+                    "router",
+                    "--engine",
+                    f"http://127.0.0.1:{ep}",
+                    "--port",
+                    str(rp),
+                    "--log-level",
+                    "warning",
+                ],
+                env={**env, "OMP_NUM_THREADS": "1"},
+                stdout=subprocess.DEVNULL,
+            )
+        )
         url = f"http://127.0.0.1:{rp}"
         wait_healthy(url, procs[1])
-        body = lambda p, n: {"input_ids": p, "sampling_params": {"max_new_tokens": n, "temperature": 0, "ignore_eos": True}}  # noqa: E731
+        body = lambda p, n: {
+            "input_ids": p,
+            "sampling_params": {"max_new_tokens": n, "temperature": 0, "ignore_eos": True},
+        }
         with httpx.Client(timeout=600, limits=httpx.Limits(max_connections=64)) as c:
             assert c.post(url + "/generate", json=body(prompts[0], 4)).status_code == 200  # warm-up
             c.post(url + "/flush_cache")
@@ -149,25 +189,49 @@ def main(argv: list[str] | None = None) -> int:
     from furlong.models import create_model, load_tokenizer
 
     path = create_model("qwen3", args.size)
-    n_params = sum(t.numel() for t in __import__("safetensors.torch", fromlist=["load_file"]).load_file(str(path / "model.safetensors")).values())
+    n_params = sum(
+        t.numel()
+        for t in __import__("safetensors.torch", fromlist=["load_file"])
+        .load_file(str(path / "model.safetensors"))
+        .values()
+    )
     prompts = make_prompts(load_tokenizer(path), args.prompts)
-    print(f"model qwen3-{args.size}: {n_params / 1e6:.1f}M params; {args.prompts} prompts × {args.new_tokens} new tokens; "
-          f"{args.threads} threads; prompt lengths {min(map(len, prompts))}-{max(map(len, prompts))}", flush=True)
+    print(
+        f"model qwen3-{args.size}: {n_params / 1e6:.1f}M params; {args.prompts} prompts × {args.new_tokens} new tokens; "
+        f"{args.threads} threads; prompt lengths {min(map(len, prompts))}-{max(map(len, prompts))}",
+        flush=True,
+    )
     peaks = matmul_gflops()
     gflops = max(peaks.values())
     roofline = gflops * 1e9 / (2 * n_params)
     rows: list[tuple[str, float | None, str]] = []
-    rows.append(("HF generate (batch 32, padded)", None if args.skip_hf else bench_hf(path, prompts, args.new_tokens), "skipped (--skip-hf)"))
+    rows.append(
+        (
+            "HF generate (batch 32, padded)",
+            None if args.skip_hf else bench_hf(path, prompts, args.new_tokens),
+            "skipped (--skip-hf)",
+        )
+    )
     print("  measured HF generate", flush=True)
     rows.append(("furlong engine, in-process", bench_engine(path, prompts, args.new_tokens), ""))
     print("  measured engine in-process", flush=True)
     if args.skip_http:
         rows.append(("furlong engine, HTTP via router, 32 clients", None, "skipped (--skip-http)"))
     elif importlib.util.find_spec("furlong.router.cli") is None:
-        rows.append(("furlong engine, HTTP via router, 32 clients", None, "skipped: furlong.router is not installed yet"))
+        rows.append(
+            ("furlong engine, HTTP via router, 32 clients", None, "skipped: furlong.router is not installed yet")
+        )
     else:
-        rows.append(("furlong engine, HTTP via router, 32 clients", bench_http_router(path, prompts, args.new_tokens, args.threads), ""))
-    print(f"\nfp32 matmul peak: {gflops:.1f} GFLOP/s (MKL {peaks['mkl']:.0f}, oneDNN packed {peaks['onednn']:.0f})  ->  roofline {roofline:,.0f} tok/s (2 x {n_params / 1e6:.1f}M FLOP/token)\n")
+        rows.append(
+            (
+                "furlong engine, HTTP via router, 32 clients",
+                bench_http_router(path, prompts, args.new_tokens, args.threads),
+                "",
+            )
+        )
+    print(
+        f"\nfp32 matmul peak: {gflops:.1f} GFLOP/s (MKL {peaks['mkl']:.0f}, oneDNN packed {peaks['onednn']:.0f})  ->  roofline {roofline:,.0f} tok/s (2 x {n_params / 1e6:.1f}M FLOP/token)\n"
+    )
     print(f"{'system':<46}{'tok/s':>10}{'of roofline':>13}{'vs HF':>9}")
     hf = rows[0][1]
     for name, tps, why in rows:
@@ -178,8 +242,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name:<46}{tps:>10,.0f}{tps / roofline:>12.0%}{vs:>9}")
     print(f"{'roofline (fp32 matmul peak)':<46}{roofline:>10,.0f}{1:>12.0%}")
     load = os.getloadavg()[0]
-    print(f"\nload average {load:.1f} on {os.cpu_count()} cores" +
-          (" - other work shared the CPU; these figures understate every system" if load > args.threads + 0.5 else ""))
+    print(
+        f"\nload average {load:.1f} on {os.cpu_count()} cores"
+        + (" - other work shared the CPU; these figures understate every system" if load > args.threads + 0.5 else "")
+    )
     return 0
 
 

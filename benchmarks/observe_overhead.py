@@ -40,23 +40,37 @@ PARTS = {"rollout": "time/rollout_wait_s", "train": "time/train_s", "sync": "wei
 def run_once(run_dir: Path, store: bool, a: argparse.Namespace) -> tuple[list[float], list[dict]]:
     """One `furlong train` run: the wall time of each step after the warm-up, and those steps' metrics."""
     args = [
-        str(ROOT / "recipes" / "debug.yaml"), f"run_dir={run_dir}", "rollout.mode=sync",
-        f"train.total_steps={a.steps}", f"rollout.rollout_batch_size={a.prompts}",
-        f"rollout.n_samples_per_prompt={a.samples}", f"rollout.max_new_tokens={a.tokens}",
-        f"observe.event_store={str(store).lower()}", "observe.tensorboard=false", "train.checkpoint_every=0",
+        str(ROOT / "recipes" / "debug.yaml"),
+        f"run_dir={run_dir}",
+        "rollout.mode=sync",
+        f"train.total_steps={a.steps}",
+        f"rollout.rollout_batch_size={a.prompts}",
+        f"rollout.n_samples_per_prompt={a.samples}",
+        f"rollout.max_new_tokens={a.tokens}",
+        f"observe.event_store={str(store).lower()}",
+        "observe.tensorboard=false",
+        "train.checkpoint_every=0",
     ]
     env = {**os.environ, "OMP_NUM_THREADS": str(a.threads)}
-    done = subprocess.run([sys.executable, "-m", "furlong.cli", "train", *args], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=900)
+    done = subprocess.run(
+        [sys.executable, "-m", "furlong.cli", "train", *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     if done.returncode != 0:
         raise SystemExit(f"furlong train failed ({done.returncode}):\n{done.stderr[-4000:]}")
     if (run_dir / "events.sqlite").exists() != store:
-        raise SystemExit(f"{run_dir}: events.sqlite {'missing' if store else 'written'} with observe.event_store={store}")
+        raise SystemExit(
+            f"{run_dir}: events.sqlite {'missing' if store else 'written'} with observe.event_store={store}"
+        )
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
     if len(rows) != a.steps:
         raise SystemExit(f"{run_dir}: {len(rows)} metrics lines for {a.steps} steps")
     stamps = [r["time"] for r in rows]
-    return [b - t for t, b in zip(stamps, stamps[1:])][a.warmup - 1:], rows[a.warmup:]
+    return [b - t for t, b in zip(stamps, stamps[1:])][a.warmup - 1 :], rows[a.warmup :]
 
 
 def main() -> None:
@@ -82,16 +96,25 @@ def main() -> None:
                 times[name] += kept
                 parts[name] += rows
                 load.append(os.getloadavg()[0])
-                print(f"rep {rep} store {name:<3}: median step {statistics.median(kept) * 1e3:7.1f} ms over {len(kept)} steps",
-                      flush=True)
+                print(
+                    f"rep {rep} store {name:<3}: median step {statistics.median(kept) * 1e3:7.1f} ms over {len(kept)} steps",
+                    flush=True,
+                )
     med = {k: statistics.median(v) for k, v in times.items()}
-    print(f"workload: recipes/debug.yaml (qwen3 tiny), sync, {a.prompts}x{a.samples} samples x {a.tokens} new tokens "
-          f"per step, {a.steps} steps ({a.warmup} warm-up) x {a.reps} runs per setting, {a.threads} threads; "
-          f"{time.perf_counter() - t0:.0f}s; 1-min load average {min(load):.1f}-{max(load):.1f}")
+    print(
+        f"workload: recipes/debug.yaml (qwen3 tiny), sync, {a.prompts}x{a.samples} samples x {a.tokens} new tokens "
+        f"per step, {a.steps} steps ({a.warmup} warm-up) x {a.reps} runs per setting, {a.threads} threads; "
+        f"{time.perf_counter() - t0:.0f}s; 1-min load average {min(load):.1f}-{max(load):.1f}"
+    )
     for k in ("off", "on"):
-        print(f"store {k:<3}: median step {med[k] * 1e3:.1f} ms (n={len(times[k])}, "
-              f"quartiles {statistics.quantiles(times[k], n=4)[0] * 1e3:.1f}-{statistics.quantiles(times[k], n=4)[2] * 1e3:.1f} ms); "
-              + ", ".join(f"{part} {statistics.median(r[key] for r in parts[k]) * 1e3:.1f}" for part, key in PARTS.items()) + " ms")
+        print(
+            f"store {k:<3}: median step {med[k] * 1e3:.1f} ms (n={len(times[k])}, "
+            f"quartiles {statistics.quantiles(times[k], n=4)[0] * 1e3:.1f}-{statistics.quantiles(times[k], n=4)[2] * 1e3:.1f} ms); "
+            + ", ".join(
+                f"{part} {statistics.median(r[key] for r in parts[k]) * 1e3:.1f}" for part, key in PARTS.items()
+            )
+            + " ms"
+        )
     print(f"overhead ratio (on/off, median step): {med['on'] / med['off']:.3f}x")
 
 

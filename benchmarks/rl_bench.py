@@ -22,8 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from furlong.rollout.generate import RolloutContext, generate
 from furlong.core.sample import Sample
+from furlong.rollout.generate import RolloutContext, generate
 
 MODES = ("sync", "overlap", "async")
 
@@ -57,14 +57,25 @@ class Work:
 def furlong_overrides(work: Work, mode: str, run_dir: Path) -> list[str]:
     """The config of one furlong run: `furlong train` with these overrides does the same work."""
     return [
-        f"name=bench-{mode}", f"run_dir={run_dir}", f"seed={work.seed}",
-        "model.arch=qwen3", f"model.size={work.size}",
-        f"data.task={work.task}", f"data.n_train={work.n_train}", "data.n_eval=1",
-        f"rollout.mode={mode}", f"rollout.rollout_batch_size={work.prompts}", f"rollout.n_samples_per_prompt={work.group}",
-        f"rollout.max_new_tokens={work.new_tokens}", "rollout.generate_fn=rl_bench:exact_length_generate",
-        f"train.global_batch_size={work.samples_per_step}", "train.num_steps_per_rollout=1",
-        f"train.total_steps={work.warmup + work.steps}", f"train.lr={work.lr}",
-        f"cluster.num_cpus={work.threads}", "observe.tensorboard=false",
+        f"name=bench-{mode}",
+        f"run_dir={run_dir}",
+        f"seed={work.seed}",
+        "model.arch=qwen3",
+        f"model.size={work.size}",
+        f"data.task={work.task}",
+        f"data.n_train={work.n_train}",
+        "data.n_eval=1",
+        f"rollout.mode={mode}",
+        f"rollout.rollout_batch_size={work.prompts}",
+        f"rollout.n_samples_per_prompt={work.group}",
+        f"rollout.max_new_tokens={work.new_tokens}",
+        "rollout.generate_fn=rl_bench:exact_length_generate",
+        f"train.global_batch_size={work.samples_per_step}",
+        "train.num_steps_per_rollout=1",
+        f"train.total_steps={work.warmup + work.steps}",
+        f"train.lr={work.lr}",
+        f"cluster.num_cpus={work.threads}",
+        "observe.tensorboard=false",
     ]
 
 
@@ -81,10 +92,20 @@ def steady_state(rows: list[dict[str, Any]], warmup: int) -> dict[str, float]:
         return statistics.fmean(vals) if vals else float("nan")
 
     step_s = window / len(timed)
-    parts = {"rollout_wait_s": mean("time/rollout_wait_s"), "train_s": mean("time/train_s"),
-             "weight_sync_s": mean("weight_sync/seconds")}
-    return {"samples_per_s": samples / window, "window_s": window, "samples": samples, "step_s": step_s, **parts,
-            "other_s": step_s - sum(parts.values()), "response_len_mean": mean("rollout/response_len_mean")}
+    parts = {
+        "rollout_wait_s": mean("time/rollout_wait_s"),
+        "train_s": mean("time/train_s"),
+        "weight_sync_s": mean("weight_sync/seconds"),
+    }
+    return {
+        "samples_per_s": samples / window,
+        "window_s": window,
+        "samples": samples,
+        "step_s": step_s,
+        **parts,
+        "other_s": step_s - sum(parts.values()),
+        "response_len_mean": mean("rollout/response_len_mean"),
+    }
 
 
 def run_furlong(work: Work, mode: str, run_dir: Path | None = None, extra: tuple[str, ...] = ()) -> dict[str, float]:
@@ -115,5 +136,7 @@ def shutdown_ray() -> None:
 
 def breakdown(name: str, r: dict[str, float]) -> str:
     """One line: where a furlong step's wall time went, as the driver sees it."""
-    return (f"  {name:<15} step {r['step_s']:6.2f} s = rollout wait {r['rollout_wait_s']:6.2f} + train {r['train_s']:6.2f}"
-            f" + weight sync {r['weight_sync_s']:5.2f} + other {r['other_s']:5.2f}")
+    return (
+        f"  {name:<15} step {r['step_s']:6.2f} s = rollout wait {r['rollout_wait_s']:6.2f} + train {r['train_s']:6.2f}"
+        f" + weight sync {r['weight_sync_s']:5.2f} + other {r['other_s']:5.2f}"
+    )

@@ -74,22 +74,47 @@ def run_trl(work: Work) -> dict[str, float]:
     clock = StepClock()
     with tempfile.TemporaryDirectory(prefix="trl-bench-") as out:
         args = GRPOConfig(
-            output_dir=out, use_cpu=True, bf16=False, use_vllm=False, activation_checkpointing=False,
-            save_strategy="no", report_to="none", disable_tqdm=True, logging_steps=1, seed=work.seed,
-            per_device_train_batch_size=work.samples_per_step, gradient_accumulation_steps=1,
-            num_generations=work.group, max_completion_length=work.new_tokens,
-            generation_kwargs={"min_new_tokens": work.new_tokens}, temperature=1.0,
-            learning_rate=work.lr, lr_scheduler_type="constant", warmup_steps=0, max_grad_norm=1.0, beta=0.0,
-            max_steps=work.warmup + work.steps, dataloader_num_workers=0,
+            output_dir=out,
+            use_cpu=True,
+            bf16=False,
+            use_vllm=False,
+            activation_checkpointing=False,
+            save_strategy="no",
+            report_to="none",
+            disable_tqdm=True,
+            logging_steps=1,
+            seed=work.seed,
+            per_device_train_batch_size=work.samples_per_step,
+            gradient_accumulation_steps=1,
+            num_generations=work.group,
+            max_completion_length=work.new_tokens,
+            generation_kwargs={"min_new_tokens": work.new_tokens},
+            temperature=1.0,
+            learning_rate=work.lr,
+            lr_scheduler_type="constant",
+            warmup_steps=0,
+            max_grad_norm=1.0,
+            beta=0.0,
+            max_steps=work.warmup + work.steps,
+            dataloader_num_workers=0,
         )
-        trainer = GRPOTrainer(model=AutoModelForCausalLM.from_pretrained(path), reward_funcs=reward, args=args,
-                              train_dataset=data, processing_class=AutoTokenizer.from_pretrained(path), callbacks=[clock])
+        trainer = GRPOTrainer(
+            model=AutoModelForCausalLM.from_pretrained(path),
+            reward_funcs=reward,
+            args=args,
+            train_dataset=data,
+            processing_class=AutoTokenizer.from_pretrained(path),
+            callbacks=[clock],
+        )
         trainer.train()
     if len(clock.ends) != work.warmup + work.steps:
         raise RuntimeError(f"TRL ran {len(clock.ends)} optimiser steps, expected {work.warmup + work.steps}")
     window = clock.ends[-1] - clock.ends[work.warmup - 1]
-    return {"samples_per_s": work.steps * work.samples_per_step / window, "step_s": window / work.steps,
-            "response_len_mean": sum(clock.lengths) / max(1, len(clock.lengths))}
+    return {
+        "samples_per_s": work.steps * work.samples_per_step / window,
+        "step_s": window / work.steps,
+        "response_len_mean": sum(clock.lengths) / max(1, len(clock.lengths)),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -98,17 +123,32 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", type=int, default=2, help="untimed furlong steps first (TRL: always 1)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--lr", type=float, default=1e-5)
-    ap.add_argument("--smoke", action="store_true", help="tiny model, 2x2 samples of 8 tokens, 1 timed step: proves the script runs")
+    ap.add_argument(
+        "--smoke", action="store_true", help="tiny model, 2x2 samples of 8 tokens, 1 timed step: proves the script runs"
+    )
     args = ap.parse_args(argv)
     if args.warmup < 1 or args.steps < 1:
         ap.error("--warmup and --steps must be >= 1")
     os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
     work = Work(steps=args.steps, warmup=args.warmup, threads=args.threads, lr=args.lr)
     if args.smoke:
-        work = Work(size="tiny", prompts=2, group=2, new_tokens=8, steps=1, warmup=1, threads=args.threads, lr=args.lr, n_train=16)
-    print(f"work: qwen3-{work.size}, {work.prompts} prompts x {work.group} samples x {work.new_tokens} tokens per step, "
-          f"lr {work.lr}, {work.warmup} (TRL: 1) warm-up + {work.steps} timed steps, {work.threads} threads; "
-          f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores", flush=True)
+        work = Work(
+            size="tiny",
+            prompts=2,
+            group=2,
+            new_tokens=8,
+            steps=1,
+            warmup=1,
+            threads=args.threads,
+            lr=args.lr,
+            n_train=16,
+        )
+    print(
+        f"work: qwen3-{work.size}, {work.prompts} prompts x {work.group} samples x {work.new_tokens} tokens per step, "
+        f"lr {work.lr}, {work.warmup} (TRL: 1) warm-up + {work.steps} timed steps, {work.threads} threads; "
+        f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores",
+        flush=True,
+    )
     res: dict[str, dict[str, float]] = {}
     try:
         for mode, name in (("sync", "furlong sync"), ("async", "furlong async")):
@@ -116,22 +156,30 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  measured {name}: {res[name]['samples_per_s']:.2f} samples/s", flush=True)
     finally:
         shutdown_ray()
-    res["TRL GRPOTrainer"] = run_trl(replace(work, warmup=1))  # last: TRL/accelerate set process-wide state furlong should not inherit
+    res["TRL GRPOTrainer"] = run_trl(
+        replace(work, warmup=1)
+    )  # last: TRL/accelerate set process-wide state furlong should not inherit
     print(f"  measured TRL: {res['TRL GRPOTrainer']['samples_per_s']:.2f} samples/s", flush=True)
 
     trl = res["TRL GRPOTrainer"]["samples_per_s"]
     print(f"\n{'system':<18}{'samples/s':>11}{'s/step':>9}{'resp len':>10}{'vs TRL':>9}")
     for name in ("TRL GRPOTrainer", "furlong sync", "furlong async"):
         r = res[name]
-        print(f"{name:<18}{r['samples_per_s']:>11.2f}{r['step_s']:>9.2f}{r['response_len_mean']:>10.1f}{r['samples_per_s'] / trl:>8.2f}x")
+        print(
+            f"{name:<18}{r['samples_per_s']:>11.2f}{r['step_s']:>9.2f}{r['response_len_mean']:>10.1f}{r['samples_per_s'] / trl:>8.2f}x"
+        )
     print("\nfurlong per-step time, as its driver logs it:")
     for name in ("furlong sync", "furlong async"):
         print(breakdown(name, res[name]))
     load = os.getloadavg()[0]
-    print(f"\nload average {load:.1f} on {os.cpu_count()} cores"
-          + (" - other work shared the CPU; these figures understate every system" if load > args.threads + 0.5 else ""))
-    print(f"RATIO furlong_sync_vs_trl={res['furlong sync']['samples_per_s'] / trl:.2f} "
-          f"furlong_async_vs_trl={res['furlong async']['samples_per_s'] / trl:.2f}")
+    print(
+        f"\nload average {load:.1f} on {os.cpu_count()} cores"
+        + (" - other work shared the CPU; these figures understate every system" if load > args.threads + 0.5 else "")
+    )
+    print(
+        f"RATIO furlong_sync_vs_trl={res['furlong sync']['samples_per_s'] / trl:.2f} "
+        f"furlong_async_vs_trl={res['furlong async']['samples_per_s'] / trl:.2f}"
+    )
     return 0
 
 

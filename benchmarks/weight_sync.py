@@ -65,8 +65,10 @@ def build_100m(dest: Path) -> Path:
 
     m25 = create_model("qwen3", "m25")
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(hf_config("qwen3", Size(hidden=768, layers=15, heads=12, kv_heads=4, head_dim=64, ffn=2304)),
-                                             dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(
+        hf_config("qwen3", Size(hidden=768, layers=15, heads=12, kv_heads=4, head_dim=64, ffn=2304)),
+        dtype=torch.float32,
+    )
     tok = AutoTokenizer.from_pretrained(m25)
     model.generation_config.eos_token_id = tok.convert_tokens_to_ids(["<|endoftext|>", "<|im_end|>"])
     model.save_pretrained(dest)
@@ -85,8 +87,25 @@ def start_engine(model: Path, threads: int) -> tuple[subprocess.Popen, str]:
 
     port = free_port()
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
-    proc = subprocess.Popen([sys.executable, "-m", "furlong.cli", "serve", "--model", str(model), "--port", str(port),
-                             "--admin-token", TOKEN, "--kv-cache-mb", "16", "--threads", str(threads)], env=env)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "furlong.cli",
+            "serve",
+            "--model",
+            str(model),
+            "--port",
+            str(port),
+            "--admin-token",
+            TOKEN,
+            "--kv-cache-mb",
+            "16",
+            "--threads",
+            str(threads),
+        ],
+        env=env,
+    )
     url = f"http://127.0.0.1:{port}"
     deadline = time.time() + 300
     while time.time() < deadline:
@@ -105,8 +124,8 @@ def start_engine(model: Path, threads: int) -> tuple[subprocess.Popen, str]:
 def bench_model(name: str, path: Path, args, workdir: Path) -> list[dict]:
     from transformers import AutoModelForCausalLM
 
-    from furlong.weights.factory import make_sender
     from furlong.weights.checksums import verify
+    from furlong.weights.factory import make_sender
 
     base = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).state_dict()
     sets = [{n: t.clone() for n, t in base.items()}, {n: t * 1.001 for n, t in base.items()}]
@@ -125,7 +144,7 @@ def bench_model(name: str, path: Path, args, workdir: Path) -> list[dict]:
             sender.connect([url], TOKEN)
             rates = []
             try:
-                for i in range(args.repeats):
+                for _ in range(args.repeats):
                     version += 1
                     report = sender.push(sets[version % 2].items(), version)
                     rates.append(report.gbps)
@@ -133,8 +152,16 @@ def bench_model(name: str, path: Path, args, workdir: Path) -> list[dict]:
             finally:
                 sender.close()
             verify([url], TOKEN, sets[version % 2].items())
-            rows.append({"model": name, "params_m": params / 1e6, "mb": size / 1e6, "transport": transport,
-                         "best": max(rates), "median": statistics.median(rates)})
+            rows.append(
+                {
+                    "model": name,
+                    "params_m": params / 1e6,
+                    "mb": size / 1e6,
+                    "transport": transport,
+                    "best": max(rates),
+                    "median": statistics.median(rates),
+                }
+            )
     finally:
         proc.terminate()
         proc.wait(30)
@@ -153,8 +180,8 @@ def shm_anatomy(path: Path, bucket_mb: float) -> dict[str, float]:
     """
     from transformers import AutoModelForCausalLM
 
-    from furlong.weights.shm import unlink, write_segment
     from furlong.weights.base import buckets, nbytes
+    from furlong.weights.shm import unlink, write_segment
     from furlong.weights.tensors import shm_views, write_shm
 
     sd = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).state_dict()
@@ -179,14 +206,14 @@ def shm_anatomy(path: Path, bucket_mb: float) -> dict[str, float]:
     free: list = []
     for _ in range(5):
         fresh = timed("write_fresh", lambda: [write_shm(dict(g), with_checksum=False) for g in groups])
-        timed("apply_fresh", lambda: apply([h for _, h in fresh]))
+        timed("apply_fresh", lambda fresh=fresh: apply([h for _, h in fresh]))
         for seg, _ in fresh:
             unlink(seg)
         if not free:  # first round: create (and fault in) the segments the later rounds reuse
             free = [write_segment(g, [], None, int(bucket_mb * 2**20))[0] for g in groups]
         t0 = time.perf_counter()
-        segs = timed("write_reused", lambda: [write_segment(g, free, None) for g in groups])
-        timed("apply_reused", lambda: apply([h for _, h in segs]))
+        segs = timed("write_reused", lambda free=free: [write_segment(g, free, None) for g in groups])
+        timed("apply_reused", lambda segs=segs: apply([h for _, h in segs]))
         best["sync"] = max(best["sync"], total / (time.perf_counter() - t0) / 1e9)
         free = [s for s, _ in segs]
     for s in free:
@@ -227,15 +254,21 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
 
-    print(f"\nmemcpy ({biggest / 1e6:.0f} MB, {args.threads} thread): {warm:.2f} GB/s into touched memory, "
-          f"{fresh:.2f} GB/s into fresh memory")
-    print(f"shm pieces ({next(iter(models))}, in-process, no HTTP), GB/s: "
-          + ", ".join(f"{k} {v:.2f} ({v / warm:.0%} of memcpy)" for k, v in anatomy.items()))
-    print(f"\n| model | params | MB | transport | GB/s best | GB/s median | best / memcpy |")
+    print(
+        f"\nmemcpy ({biggest / 1e6:.0f} MB, {args.threads} thread): {warm:.2f} GB/s into touched memory, "
+        f"{fresh:.2f} GB/s into fresh memory"
+    )
+    print(
+        f"shm pieces ({next(iter(models))}, in-process, no HTTP), GB/s: "
+        + ", ".join(f"{k} {v:.2f} ({v / warm:.0%} of memcpy)" for k, v in anatomy.items())
+    )
+    print("\n| model | params | MB | transport | GB/s best | GB/s median | best / memcpy |")
     print("|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['model']} | {r['params_m']:.1f}M | {r['mb']:.0f} | {r['transport']} | {r['best']:.3f} | "
-              f"{r['median']:.3f} | {r['best'] / warm:.1%} |")
+        print(
+            f"| {r['model']} | {r['params_m']:.1f}M | {r['mb']:.0f} | {r['transport']} | {r['best']:.3f} | "
+            f"{r['median']:.3f} | {r['best'] / warm:.1%} |"
+        )
     shm = [r["best"] / warm for r in rows if r["transport"] == "shm"]
     print("\nRATIO " + " ".join(f"{r['model']}_{r['transport']}_vs_memcpy={r['best'] / warm:.3f}" for r in rows))
     if shm:

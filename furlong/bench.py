@@ -37,8 +37,10 @@ def find_folder(places: list[Path] | None = None) -> Path:
         if place.is_dir():
             return place
     looked = ", ".join(str(p) for p in places)
-    raise BenchError(f"no {FOLDER}/ folder (looked in {looked}): the benchmarks ship with the source "
-                     "repository, not the installed package; run `furlong bench` from a clone of furlong")
+    raise BenchError(
+        f"no {FOLDER}/ folder (looked in {looked}): the benchmarks ship with the source "
+        "repository, not the installed package; run `furlong bench` from a clone of furlong"
+    )
 
 
 def _tree(script: Path) -> ast.Module | None:
@@ -51,8 +53,12 @@ def _tree(script: Path) -> ast.Module | None:
 def _is_script(tree: ast.Module | None) -> bool:
     """Has a module-level `if __name__ == "__main__":`; the folder's shared helpers (rl_bench.py) do not."""
     return tree is not None and any(
-        isinstance(node, ast.If) and isinstance(node.test, ast.Compare) and isinstance(node.test.left, ast.Name)
-        and node.test.left.id == "__name__" for node in tree.body)
+        isinstance(node, ast.If)
+        and isinstance(node.test, ast.Compare)
+        and isinstance(node.test.left, ast.Name)
+        and node.test.left.id == "__name__"
+        for node in tree.body
+    )
 
 
 def available(folder: Path) -> dict[str, Path]:
@@ -75,8 +81,11 @@ def script_for(name: str, folder: Path) -> Path:
     if stem in known:
         return known[stem]
     hint = difflib.get_close_matches(stem, list(known), n=1)
-    raise BenchError(f"no benchmark {name!r} in {folder}" + (f" (did you mean {hint[0]!r}?)" if hint else "")
-                     + f"; known: {', '.join(known) or 'none'}")
+    raise BenchError(
+        f"no benchmark {name!r} in {folder}"
+        + (f" (did you mean {hint[0]!r}?)" if hint else "")
+        + f"; known: {', '.join(known) or 'none'}"
+    )
 
 
 def listing(folder: Path) -> str:

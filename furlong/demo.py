@@ -47,13 +47,18 @@ def main(argv: list[str]) -> int:
     t0 = time.perf_counter()
     run_dir = args.run_dir or f"runs/demo-{time.strftime('%Y%m%d-%H%M%S')}"
     demos = write_demonstrations(Path(run_dir) / "demonstrations.jsonl", n=6000, seed=0)
-    cfg = load_config(str(RECIPE), [f"run_dir={run_dir}", f"data.sft_path={demos}", "data.metadata_keys=[task]",
-                                    *args.overrides])
+    cfg = load_config(
+        str(RECIPE), [f"run_dir={run_dir}", f"data.sft_path={demos}", "data.metadata_keys=[task]", *args.overrides]
+    )
     result = asyncio.run(Run(cfg).run())
     before = result["before"].get("eval/greedy_accuracy", float("nan"))
     after = result["after"].get("eval/greedy_accuracy", float("nan"))
     minutes = (time.perf_counter() - t0) / 60
-    print(f"held-out greedy accuracy: {before:.3f} after SFT on flawed demos -> {after:.3f} after {result['steps']} "
-          f"async GRPO steps ({minutes:.1f} min); run directory: {run_dir}")
-    print(f"RESULT baseline_accuracy={before:.4f} final_accuracy={after:.4f} steps={result['steps']} minutes={minutes:.2f}")
+    print(
+        f"held-out greedy accuracy: {before:.3f} after SFT on flawed demos -> {after:.3f} after {result['steps']} "
+        f"async GRPO steps ({minutes:.1f} min); run directory: {run_dir}"
+    )
+    print(
+        f"RESULT baseline_accuracy={before:.4f} final_accuracy={after:.4f} steps={result['steps']} minutes={minutes:.2f}"
+    )
     return 0

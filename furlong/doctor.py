@@ -17,7 +17,18 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-REQUIRED = ["torch", "transformers", "tokenizers", "safetensors", "pydantic", "fastapi", "uvicorn", "httpx", "ray", "rich"]
+REQUIRED = [
+    "torch",
+    "transformers",
+    "tokenizers",
+    "safetensors",
+    "pydantic",
+    "fastapi",
+    "uvicorn",
+    "httpx",
+    "ray",
+    "rich",
+]
 OPTIONAL = ["peft", "datasets", "tensorboard", "openai", "trl", "sglang", "wandb", "mlflow", "playwright"]
 
 
@@ -69,7 +80,9 @@ def check_devices() -> list[Check]:
     else:
         out.append(Check("gpu", "WARN", "no CUDA device: CPU engines and gloo training (the laptop path)"))
     sglang = importlib.util.find_spec("sglang") is not None
-    out.append(Check("sglang", "PASS" if sglang else "WARN", "importable" if sglang else "not installed: built-in engine only"))
+    out.append(
+        Check("sglang", "PASS" if sglang else "WARN", "importable" if sglang else "not installed: built-in engine only")
+    )
     browser = shutil.which("chromium") or shutil.which("chromium-browser")
     out.append(Check("chromium", "PASS" if browser else "WARN", browser or "missing: dashboard browser tests need it"))
     return out

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Runs the whole suite. pytest's exit 5 ("no tests ran") is turned into a failure,
+# Runs ruff (format and lint), then the whole suite. pytest's exit 5 ("no tests ran") is turned into a failure,
 # and a run that collected fewer tests than the floor below fails too, so an
 # import error that silently empties a directory can never pass as green. Then the claims
 # check (python -m tools.claims) proves the README and docs against this run.
@@ -7,6 +7,10 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 MIN_TESTS=${FURLONG_MIN_TESTS:-600}
 mkdir -p .reports; report=.reports/junit.xml
+# Style first (seconds): ruff's formatter and linter, configured in pyproject.toml.
+LINT=(furlong tests tools benchmarks examples)
+.venv/bin/ruff format --check -q "${LINT[@]}" || { echo "FAIL: ruff format (run: .venv/bin/ruff format ${LINT[*]})" >&2; exit 1; }
+.venv/bin/ruff check -q "${LINT[@]}" || { echo "FAIL: ruff check (run: .venv/bin/ruff check --fix ${LINT[*]})" >&2; exit 1; }
 .venv/bin/python -m pytest -q -p no:cacheprovider --junitxml="$report" "$@"
 rc=$?
 if [ "$rc" -eq 5 ]; then echo "FAIL: pytest ran no tests" >&2; exit 1; fi

@@ -23,8 +23,20 @@ PACKAGE = REPO / "furlong"
 
 # DESIGN §4, from the ground up: a unit may import only units on a lower floor.
 FLOORS = (
-    "core", "config", "data", "models", "engine", "router", "weights", "train", "rollout", "envs",
-    "cluster", "observe", "dashboard", "driver",
+    "core",
+    "config",
+    "data",
+    "models",
+    "weights",
+    "engine",
+    "router",
+    "train",
+    "rollout",
+    "envs",
+    "cluster",
+    "observe",
+    "dashboard",
+    "driver",
 )
 TOP_FLOOR = len(FLOORS)  # the top-level modules: cli.py, demo.py, doctor.py, bench.py
 ROOT_UNIT = "furlong"  # furlong/__init__.py
@@ -221,8 +233,9 @@ def size_violations(package: Path = PACKAGE) -> list[str]:
             if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
                 length = (node.end_lineno or node.lineno) - node.lineno + 1
                 if length > MAX_FUNCTION_LINES:
-                    out.append(f"{rel}:{node.lineno}: function {node.name} has {length} lines "
-                               f"(max {MAX_FUNCTION_LINES})")
+                    out.append(
+                        f"{rel}:{node.lineno}: function {node.name} has {length} lines (max {MAX_FUNCTION_LINES})"
+                    )
     return out
 
 

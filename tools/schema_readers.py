@@ -15,6 +15,16 @@ declares and validates the fields; it does not use them):
 - the dotted path itself as a string constant (`loaded["train.loss_fn"]`), as plug points are looked
   up in the result of `registry.load_all`.
 
+Two tables of `furlong/config/checks.py`, read from its source (module-level literals, found with
+`ast`; no list of names is kept here), count too, though config/ is otherwise no reader:
+
+- `NOT_BUILT`: a field whose feature is not built yet is refused at start, naming it. It is no silent
+  knob (the user is told), so each field a row names counts as read; delete the row when the
+  feature lands and the scan then asks for a real reader.
+- `DEFAULTS_FROM`: `(field, source)`, where an unset `field` takes `source`'s value in `resolve`
+  (`model.dtype` gives `train.dtype` and `engine.dtype`). `source` counts as read when `field` is:
+  what reads the field reads the source through it.
+
 Matching the field's name on *any* object (`--by-name`) is too loose: the engine's own attributes
 `max_context` and `prefix_cache` would hide that `engine.max_context` never reaches an engine.
 A section (`train`, `train.lora`) counts as read when one of its fields is.
@@ -32,6 +42,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 PACKAGE = REPO / "furlong"
 NOT_READERS = ("config",)  # folders of furlong/ whose mentions of a field do not count
+CHECKS = ("config", "checks.py")  # where NOT_BUILT and DEFAULTS_FROM live, under the package
 
 
 def sections(model: Any, prefix: str = "") -> dict[str, type]:
@@ -161,8 +172,13 @@ class _Scan:
             for node in ast.walk(tree):
                 if isinstance(node, ast.Attribute):
                     out |= {p + node.attr for p in self.denotes(node.value)}
-                elif (isinstance(node, ast.Call) and _terminal(node.func) == "getattr" and len(node.args) >= 2
-                      and isinstance(node.args[1], ast.Constant) and isinstance(node.args[1].value, str)):
+                elif (
+                    isinstance(node, ast.Call)
+                    and _terminal(node.func) == "getattr"
+                    and len(node.args) >= 2
+                    and isinstance(node.args[1], ast.Constant)
+                    and isinstance(node.args[1].value, str)
+                ):
                     out |= {p + node.args[1].value for p in self.denotes(node.args[0])}
                 elif isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in self.t["fields"]:
                     out.add(node.value)
@@ -194,6 +210,37 @@ def _tables(model: Any, package: Path) -> dict[str, Any]:
     return t
 
 
+def _table(package: Path, name: str) -> list[tuple[Any, ...]]:
+    """The rows of a module-level tuple/list literal `name` in config/checks.py (a row's non-constants are None)."""
+    path = package.joinpath(*CHECKS)
+    if not path.is_file():
+        return []
+    for node in _parse(path, path.stat().st_mtime_ns).body:
+        target = (
+            node.targets[0]
+            if isinstance(node, ast.Assign) and len(node.targets) == 1
+            else (node.target if isinstance(node, ast.AnnAssign) else None)
+        )
+        if isinstance(target, ast.Name) and target.id == name and isinstance(node.value, ast.Tuple | ast.List):
+            return [
+                tuple(e.value if isinstance(e, ast.Constant) else None for e in row.elts)
+                for row in node.value.elts
+                if isinstance(row, ast.Tuple | ast.List)
+            ]
+    return []
+
+
+def _told_or_derived(found: set[str], package: Path, fields: set[str]) -> set[str]:
+    """`found` plus the fields `NOT_BUILT` refuses and the `DEFAULTS_FROM` sources of read fields."""
+    out = found | {row[0] for row in _table(package, "NOT_BUILT") if row and row[0] in fields}
+    pairs = [(row[0], row[1]) for row in _table(package, "DEFAULTS_FROM") if len(row) == 2 and row[1] in fields]
+    size = -1
+    while size != len(out):  # to a fixed point: a source may itself be another field's source
+        size = len(out)
+        out |= {source for field, source in pairs if field in out}
+    return out
+
+
 def unread_fields(model: Any = None, package: Path = PACKAGE, exclude: tuple[str, ...] = NOT_READERS) -> list[str]:
     """Dotted fields of the schema (default `furlong.config.schema.Config`) that nothing reads, in schema order."""
     from furlong.config.schema import Config, all_paths
@@ -202,7 +249,7 @@ def unread_fields(model: Any = None, package: Path = PACKAGE, exclude: tuple[str
     tables = _tables(model, package)
     scan = _Scan([tree for _, tree in _python_files(package, exclude)], tables)
     scan.find_aliases()
-    found = scan.reads()
+    found = _told_or_derived(scan.reads(), package, tables["fields"])
     for path in list(found):  # a section is read when one of its fields is
         parts = path.split(".")
         found.update(".".join(parts[:i]) for i in range(1, len(parts)))
@@ -218,8 +265,13 @@ def unread_by_name(model: Any = None, package: Path = PACKAGE, exclude: tuple[st
         for node in ast.walk(tree):
             if isinstance(node, ast.Attribute):
                 names.add(node.attr)
-            elif (isinstance(node, ast.Call) and _terminal(node.func) == "getattr" and len(node.args) >= 2
-                  and isinstance(node.args[1], ast.Constant) and isinstance(node.args[1].value, str)):
+            elif (
+                isinstance(node, ast.Call)
+                and _terminal(node.func) == "getattr"
+                and len(node.args) >= 2
+                and isinstance(node.args[1], ast.Constant)
+                and isinstance(node.args[1].value, str)
+            ):
                 names.add(node.args[1].value)
     return [p for p in all_paths(model or Config) if p.rsplit(".", 1)[-1] not in names]
 

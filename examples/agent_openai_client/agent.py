@@ -48,7 +48,11 @@ def tool_results(message: Any, fallback: str | None) -> list[dict[str, Any]]:
     for call in message.tool_calls or []:
         try:
             args = json.loads(call.function.arguments)
-            result = calculator(str(args.get("expression", ""))) if call.function.name == "calculator" else "error: unknown tool"
+            result = (
+                calculator(str(args.get("expression", "")))
+                if call.function.name == "calculator"
+                else "error: unknown tool"
+            )
         except json.JSONDecodeError:
             result = "error: arguments are not JSON"
         out.append({"role": "tool", "tool_call_id": call.id, "content": result})
@@ -57,8 +61,15 @@ def tool_results(message: Any, fallback: str | None) -> list[dict[str, Any]]:
     return out
 
 
-def run(base_url: str, question: str, *, max_turns: int = 3, force_tool: str | None = None,
-        seed: int | None = None, **create: Any) -> list[dict[str, Any]]:
+def run(
+    base_url: str,
+    question: str,
+    *,
+    max_turns: int = 3,
+    force_tool: str | None = None,
+    seed: int | None = None,
+    **create: Any,
+) -> list[dict[str, Any]]:
     """One episode; returns the conversation. `force_tool`: an expression whose result the agent sends after
     every turn without a call (an untrained model rarely calls tools); `seed`: turn i samples with seed + i;
     `create`: extra `create()` arguments."""
@@ -83,7 +94,9 @@ async def agent(sample: Any, base_url: str) -> float:
     question = sample.prompt if isinstance(sample.prompt, str) else sample.prompt[-1]["content"]
     messages: list[dict[str, Any]] = [{"role": "user", "content": question}]
     for _ in range(3):
-        resp = await client.chat.completions.create(model="furlong", messages=messages, tools=[CALCULATOR], max_tokens=64)
+        resp = await client.chat.completions.create(
+            model="furlong", messages=messages, tools=[CALCULATOR], max_tokens=64
+        )
         message = resp.choices[0].message
         messages.append(message.model_dump(exclude_none=True))
         results = tool_results(message, None)

@@ -66,8 +66,9 @@ class ReverseWordsTaskset(vf.Taskset[ReverseWordsTask, ReverseWordsConfig]):
             raise ValueError(f"turns must be 1 or 2, got {self.config.turns}")
         for i in range(self.config.num_tasks):
             word = WORDS[i % len(WORDS)]
-            data = ReverseWordsData(id=f"reverse-{i}", prompt=f"Reverse the letters of the word: {word}", word=word,
-                                    turns=self.config.turns)
+            data = ReverseWordsData(
+                id=f"reverse-{i}", prompt=f"Reverse the letters of the word: {word}", word=word, turns=self.config.turns
+            )
             yield ReverseWordsTask(data, self.config.task)
 
 

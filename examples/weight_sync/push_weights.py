@@ -24,8 +24,15 @@ from transformers import AutoModelForCausalLM
 from furlong.weights import SyncReport, make_sender
 
 
-def push(engine_urls: list[str], admin_token: str, weights_dir: str, version: int, transport: str = "shm",
-         pause_mode: str = "retract", **opts) -> SyncReport:
+def push(
+    engine_urls: list[str],
+    admin_token: str,
+    weights_dir: str,
+    version: int,
+    transport: str = "shm",
+    pause_mode: str = "retract",
+    **opts,
+) -> SyncReport:
     """Load `weights_dir` and push it to every engine as `version`; returns what each engine did."""
     named = AutoModelForCausalLM.from_pretrained(weights_dir).state_dict()
     with make_sender(transport, verify=True, **opts) as sender:
@@ -40,8 +47,12 @@ def main() -> None:
     p.add_argument("--engine", action="append", required=True, help="engine base URL (repeat for more)")
     p.add_argument("--admin-token", required=True, help="the engines' admin token")
     p.add_argument("--weights", required=True, help="a local HF model directory of the same architecture")
-    p.add_argument("--transport", default="shm", choices=["shm", "delta", "disk"],
-                   help="broadcast and p2p need a torch.distributed group: the trainer sets those up")
+    p.add_argument(
+        "--transport",
+        default="shm",
+        choices=["shm", "delta", "disk"],
+        help="broadcast and p2p need a torch.distributed group: the trainer sets those up",
+    )
     p.add_argument("--directory", help="disk transport: where the safetensors files are written")
     p.add_argument("--version", type=int, default=1)
     args = p.parse_args()

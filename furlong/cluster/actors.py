@@ -75,8 +75,9 @@ class TrainerActor:
         if self.threads:
             torch.set_num_threads(self.threads)
         torch.manual_seed(self.seed)
-        self.trainer = Trainer(model_dir, train_cfg, algo_cfg, self.rank, self.world_size, temperature=temperature,
-                               hooks=hooks)
+        self.trainer = Trainer(
+            model_dir, train_cfg, algo_cfg, self.rank, self.world_size, temperature=temperature, hooks=hooks
+        )
         return os.getpid()
 
     def pid(self) -> int:

@@ -14,7 +14,7 @@ def parse_prometheus(text: str, prefix: str = "furlong_engine_") -> dict[str, fl
         if line.startswith(prefix):
             name, _, value = line.partition(" ")
             try:
-                out[name[len(prefix):]] = float(value)
+                out[name[len(prefix) :]] = float(value)
             except ValueError:
                 continue
     return out
@@ -36,8 +36,11 @@ class EngineStats:
             return {f"{key}/healthy": 0.0}
         m, now = parse_prometheus(r.text), time.monotonic()
         tokens = m.get("generation_tokens_total", 0.0)
-        out = {f"{key}/healthy": 1.0, f"{key}/queue": m.get("running_requests", 0.0) + m.get("waiting_requests", 0.0),
-               f"{key}/kv_cache_usage": m.get("kv_cache_usage", 0.0)}
+        out = {
+            f"{key}/healthy": 1.0,
+            f"{key}/queue": m.get("running_requests", 0.0) + m.get("waiting_requests", 0.0),
+            f"{key}/kv_cache_usage": m.get("kv_cache_usage", 0.0),
+        }
         if url in self._last:
             t0, n0 = self._last[url]
             out[f"{key}/tokens_per_s"] = max(0.0, tokens - n0) / max(1e-6, now - t0)

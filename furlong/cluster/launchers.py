@@ -28,25 +28,56 @@ def engine_command(engine: EngineConfig, *, model_dir: str, port: int, admin_tok
     """The argv of one engine process, for the launcher `engine.backend` names."""
     from furlong.engine.launch import engine_argv
 
-    return engine_argv(engine.backend, model_dir=model_dir, host=engine.host, port=port, dtype=engine.dtype,
-                       kv_cache_mb=engine.kv_cache_mb, max_running=engine.max_running,
-                       max_context=engine.max_context, prefix_cache=engine.prefix_cache, threads=threads,
-                       admin_token=admin_token)
+    return engine_argv(
+        engine.backend,
+        model_dir=model_dir,
+        host=engine.host,
+        port=port,
+        dtype=engine.dtype,
+        kv_cache_mb=engine.kv_cache_mb,
+        max_running=engine.max_running,
+        max_context=engine.max_context,
+        prefix_cache=engine.prefix_cache,
+        threads=threads,
+        admin_token=admin_token,
+    )
 
 
 def colocated_engine_kwargs(engine: EngineConfig) -> dict[str, Any]:
     """`Engine(...)` keyword arguments of the engine colocated in trainer rank 0 (built-in engine only)."""
     if engine.backend != "builtin":
-        raise ValueError(f"cluster.colocate: runs the built-in engine inside the trainer; "
-                         f"engine.backend={engine.backend} cannot be colocated")
-    return dict(dtype=engine.dtype, kv_cache_mb=engine.kv_cache_mb, max_running=engine.max_running,
-                max_context=engine.max_context, prefix_cache=engine.prefix_cache)
+        raise ValueError(
+            f"cluster.colocate: runs the built-in engine inside the trainer; "
+            f"engine.backend={engine.backend} cannot be colocated"
+        )
+    return dict(
+        dtype=engine.dtype,
+        kv_cache_mb=engine.kv_cache_mb,
+        max_running=engine.max_running,
+        max_context=engine.max_context,
+        prefix_cache=engine.prefix_cache,
+    )
 
 
 def router_command(router: RouterConfig, *, engine_urls: list[str], port: int, admin_token: str) -> list[str]:
     """The argv of the `furlong router` process in front of `engine_urls`."""
     engines = [arg for url in engine_urls for arg in ("--engine", url)]
-    return furlong_argv("router", *engines, "--host", router.host, "--port", str(port), "--policy", router.policy,
-                        f"--admin-token={admin_token}", "--health-interval", str(router.health_interval_s),
-                        "--health-timeout", str(router.health_timeout_s), "--unhealthy-after",
-                        str(router.unhealthy_after), "--max-retries", str(router.max_retries))
+    return furlong_argv(
+        "router",
+        *engines,
+        "--host",
+        router.host,
+        "--port",
+        str(port),
+        "--policy",
+        router.policy,
+        f"--admin-token={admin_token}",
+        "--health-interval",
+        str(router.health_interval_s),
+        "--health-timeout",
+        str(router.health_timeout_s),
+        "--unhealthy-after",
+        str(router.unhealthy_after),
+        "--max-retries",
+        str(router.max_retries),
+    )

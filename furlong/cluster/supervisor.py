@@ -80,8 +80,18 @@ class EngineSlot:
 class EngineSupervisor:
     """Health checks, replacement and weight syncs for the engines of one run (see the module docstring)."""
 
-    def __init__(self, top: Topology, *, router: RouterConfig, weights: WeightsConfig, pause_mode: str,
-                  admin_token: str, run_dir: Path, version: WeightVersion, note: Callable[[str], None] = print):
+    def __init__(
+        self,
+        top: Topology,
+        *,
+        router: RouterConfig,
+        weights: WeightsConfig,
+        pause_mode: str,
+        admin_token: str,
+        run_dir: Path,
+        version: WeightVersion,
+        note: Callable[[str], None] = print,
+    ):
         """`version`: the run's weight-version owner; syncs advance it, re-syncs stamp engines with it."""
         self.top, self.trainers, self.token, self.note = top, top.trainers, admin_token, note
         self.pause_mode, self.version = pause_mode, version
@@ -166,7 +176,7 @@ class EngineSupervisor:
     async def _alive(self, s: EngineSlot) -> bool:
         try:
             return await asyncio.wait_for(s.actor.alive.remote(), self.timeout)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             return True  # the owning actor is busy; let /health decide
         except Exception:  # noqa: BLE001 - the owning actor itself is gone, and its process with it
             return False
@@ -176,8 +186,14 @@ class EngineSupervisor:
         s.state = RESTARTING
         self.counts["faults"] += 1
         self.counts[f"faults_{kind}"] += 1
-        record = {"engine": s.index, "url": s.url, "kind": kind, "cause": cause, "failed_probes": s.failed_probes,
-                  "recovered": False}
+        record = {
+            "engine": s.index,
+            "url": s.url,
+            "kind": kind,
+            "cause": cause,
+            "failed_probes": s.failed_probes,
+            "recovered": False,
+        }
         self.faults.append(record)
         s.fault, s.since = record, time.monotonic()
         self.note(f"engine-{s.index} ({s.url}): {cause}; replacing it while the run continues on the others")
@@ -198,15 +214,17 @@ class EngineSupervisor:
                     await asyncio.sleep(self.interval)
             else:
                 s.state = FAILED
-                self.note(f"engine-{s.index}: gave up after {MAX_RESTART_ATTEMPTS} restarts; "
-                          "the run goes on without it")
+                self.note(
+                    f"engine-{s.index}: gave up after {MAX_RESTART_ATTEMPTS} restarts; the run goes on without it"
+                )
                 return
             s.state = PENDING
             async with self._lock:
                 if s.state != PENDING:  # a weight sync took it in meanwhile
                     return
-                version = await self.trainers.resync_engine(s.url, self.version.current, transport=self.transport,
-                                                            admin_token=self.token, opts=self.push_opts)
+                version = await self.trainers.resync_engine(
+                    s.url, self.version.current, transport=self.transport, admin_token=self.token, opts=self.push_opts
+                )
                 if version is None:
                     self.counts["resyncs_deferred"] += 1  # the trainer is mid-step: the next sync takes it in
                     return
@@ -226,8 +244,12 @@ class EngineSupervisor:
         self.note(f"engine-{s.index} ({s.url}) replaced, re-synced to v{self.version.current} and serving again")
 
     async def _router(self, path: str, url: str) -> None:
-        r = await self._http.post(self.top.router_url + path, json={"url": url},
-                                  headers={"Authorization": f"Bearer {self.token}"}, timeout=30.0)
+        r = await self._http.post(
+            self.top.router_url + path,
+            json={"url": url},
+            headers={"Authorization": f"Bearer {self.token}"},
+            timeout=30.0,
+        )
         if r.status_code not in (200, 404):  # 404: already removed
             raise RuntimeError(f"router {path} {url}: HTTP {r.status_code}: {r.text[:200]}")
 
@@ -238,8 +260,9 @@ class EngineSupervisor:
     async def _some_engine_up(self) -> None:
         while self.slots and not self._targets():  # all being replaced: the run waits for the first one back
             if all(s.state == FAILED for s in self.slots):
-                raise EnginesLost("weight sync: no engine is left (every restart failed); "
-                                  "see RUN_DIR/logs/engine-*.log")
+                raise EnginesLost(
+                    "weight sync: no engine is left (every restart failed); see RUN_DIR/logs/engine-*.log"
+                )
             await asyncio.sleep(0.1)
 
     def _client(self, url: str) -> EngineClient:
@@ -269,8 +292,9 @@ class EngineSupervisor:
                         raise RuntimeError("every engine went down just before the sync")
                     await self._control(urls, "pause", lambda c: c.pause(self.pause_mode))
                     try:
-                        report = await self.trainers.push_weights(urls, version, transport=self.transport,
-                                                                  admin_token=self.token, opts=self.push_opts)
+                        report = await self.trainers.push_weights(
+                            urls, version, transport=self.transport, admin_token=self.token, opts=self.push_opts
+                        )
                         self.version.advance(version)  # the trainer's weights are `version` now, on every target
                     finally:
                         await self._control(urls, "continue", lambda c: c.resume())
@@ -289,4 +313,3 @@ class EngineSupervisor:
                 return report
         assert last is not None
         raise last
-

@@ -55,8 +55,14 @@ def init_ray(cluster: ClusterConfig, bundles: int) -> None:
         # This Ray is ours: everything under it dies with the driver, even a SIGKILLed one.
         os.environ[REAPER_MARK] = mark = reaper_mark()
         try:
-            ctx = ray.init(num_cpus=cpus, num_gpus=cluster.num_gpus, include_dashboard=False,
-                           runtime_env=env, log_to_driver=False, configure_logging=False)
+            ctx = ray.init(
+                num_cpus=cpus,
+                num_gpus=cluster.num_gpus,
+                include_dashboard=False,
+                runtime_env=env,
+                log_to_driver=False,
+                configure_logging=False,
+            )
         finally:
             del os.environ[REAPER_MARK]  # Ray's head processes have it; later children of the driver need not
         start_reaper(mark, ctx.address_info["session_dir"])
@@ -86,8 +92,17 @@ class Topology:
     placement: Any = None
 
     @classmethod
-    def start(cls, *, cluster: ClusterConfig, engine: EngineConfig, router: RouterConfig, trainer: TrainerSpec,
-              run_dir: Path, admin_token: str, threads: int) -> Topology:
+    def start(
+        cls,
+        *,
+        cluster: ClusterConfig,
+        engine: EngineConfig,
+        router: RouterConfig,
+        trainer: TrainerSpec,
+        run_dir: Path,
+        admin_token: str,
+        threads: int,
+    ) -> Topology:
         top = cls(Path(run_dir), admin_token)
         try:
             top._launch(cluster, engine, router, trainer, threads)
@@ -96,8 +111,9 @@ class Topology:
             raise
         return top
 
-    def _launch(self, cluster: ClusterConfig, engine: EngineConfig, router: RouterConfig, trainer: TrainerSpec,
-                threads: int) -> None:
+    def _launch(
+        self, cluster: ClusterConfig, engine: EngineConfig, router: RouterConfig, trainer: TrainerSpec, threads: int
+    ) -> None:
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -120,24 +136,32 @@ class Topology:
             return dict(scheduling_strategy=where, **kw)
 
         master_port = free_port()
-        self.trainers = TrainerGroup([
-            TrainerActor.options(**at(r, num_cpus=1, num_gpus=gpu)).remote(r, ws, master_port, threads, trainer.seed)
-            for r in range(ws)
-        ])
-        built = self.trainers.build_refs(trainer.model_dir, trainer.train, trainer.algo, trainer.temperature,
-                                         trainer.hooks)
+        self.trainers = TrainerGroup(
+            [
+                TrainerActor.options(**at(r, num_cpus=1, num_gpus=gpu)).remote(
+                    r, ws, master_port, threads, trainer.seed
+                )
+                for r in range(ws)
+            ]
+        )
+        built = self.trainers.build_refs(
+            trainer.model_dir, trainer.train, trainer.algo, trainer.temperature, trainer.hooks
+        )
         logs = self.run_dir / "logs"
         if cluster.colocate:
-            start = self.trainers.actors[0].start_colocated_engine.remote(trainer.model_dir, colocated,
-                                                                          self.admin_token, 0)
+            start = self.trainers.actors[0].start_colocated_engine.remote(
+                trainer.model_dir, colocated, self.admin_token, 0
+            )
             self.engine_urls = [ray.get(start)]
         else:
             for i in range(ne):
                 port = engine.port_base + i if engine.port_base else free_port()
-                argv = engine_command(engine, model_dir=trainer.model_dir, port=port, admin_token=self.admin_token,
-                                      threads=threads)
+                argv = engine_command(
+                    engine, model_dir=trainer.model_dir, port=port, admin_token=self.admin_token, threads=threads
+                )
                 actor = ProcessActor.options(**at(ws + i, num_cpus=1, num_gpus=gpu)).remote(
-                    f"engine-{i}", argv, port, str(logs / f"engine-{i}.log"), threads)
+                    f"engine-{i}", argv, port, str(logs / f"engine-{i}.log"), threads
+                )
                 self.engines.append(actor)
             self.engine_urls = ray.get([a.start.remote() for a in self.engines])
         self.trainers.wait_built(built)

@@ -85,17 +85,21 @@ class TrainerGroup:
         return self._get("load", lambda a: a.load.remote(path))
 
     # ---- weights
-    async def push_weights(self, urls: list[str], version: int, *, transport: str, admin_token: str,
-                           opts: dict[str, Any]) -> dict[str, Any]:
+    async def push_weights(
+        self, urls: list[str], version: int, *, transport: str, admin_token: str, opts: dict[str, Any]
+    ) -> dict[str, Any]:
         """Send the weights to the engines at `urls`, stamped `version`; the sender's report."""
-        return await self._await("push_weights",
-                                 lambda a: a.push_weights.remote(transport, urls, admin_token, version, opts))
+        return await self._await(
+            "push_weights", lambda a: a.push_weights.remote(transport, urls, admin_token, version, opts)
+        )
 
-    async def resync_engine(self, url: str, version: int, *, transport: str, admin_token: str,
-                            opts: dict[str, Any]) -> int | None:
+    async def resync_engine(
+        self, url: str, version: int, *, transport: str, admin_token: str, opts: dict[str, Any]
+    ) -> int | None:
         """Give one replaced engine the weights as `version`; None when they changed since the last push."""
-        return await self._await("resync_engine",
-                                 lambda a: a.resync_engine.remote(transport, url, admin_token, version, opts))
+        return await self._await(
+            "resync_engine", lambda a: a.resync_engine.remote(transport, url, admin_token, version, opts)
+        )
 
     def weight_checksums(self) -> dict[str, int]:
         return self._get("weight_checksums", lambda a: a.weight_checksums.remote())

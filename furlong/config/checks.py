@@ -1,8 +1,9 @@
 """Resolve what the user left unset, then reject every contradiction at start.
 
 `resolve` fills derived fields (algorithm presets, the batch-size invariant, the
-staleness implied by the rollout mode, run_dir), touching only fields absent from
-each section's `model_fields_set`. `check` returns every cross-field problem at
+staleness implied by the rollout mode, the trainer's and engines' dtype from
+`model.dtype`, run_dir), touching only fields absent from each section's
+`model_fields_set`. `check` returns every cross-field problem at
 once, each naming its dotted fields, so a user fixes a recipe in one pass instead
 of discovering one error per run. A problem is `(fields, message)`.
 """
@@ -11,10 +12,11 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import typing
 from collections.abc import Callable
 from fractions import Fraction
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 Problem = tuple[tuple[str, ...], str]
 
@@ -77,6 +79,27 @@ BATCH_FIELDS = (
 )
 GROUP_ADVANTAGES = ("grpo", "dr_grpo", "rloo", "reinforce_pp_baseline")
 
+# A field left unset takes another field's value: (field, the field it defaults to). `model.dtype` is
+# the dtype the weights are loaded in for training and rollout; `train.dtype` and `engine.dtype` set
+# one side apart. The scan for settings nothing reads (tools/schema_readers.py) counts a source here
+# as read wherever its field is read, so keep this a literal table.
+DEFAULTS_FROM: tuple[tuple[str, str], ...] = (
+    ("train.dtype", "model.dtype"),
+    ("engine.dtype", "model.dtype"),
+)
+
+# Settings the schema accepts for features not built yet: (field, is it in use?, what it would build).
+# Refused at start, naming the field, rather than silently ignored; tools/schema_readers.py counts a
+# field named here as read (the user is told), so keep this a literal table and drop a row once the
+# feature is built.
+NOT_BUILT: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
+    ("engine.quantization", lambda v: v != "none", "quantised rollout weights (FP8/MXFP8/NVFP4)"),
+    ("train.qat", lambda v: v != "none", "INT4 quantisation-aware training"),
+    ("rollout.routing_replay", bool, "replaying MoE routing in the trainer (engines already record it)"),
+    ("rollout.rollout_fn", lambda v: v is not None, "replacing the whole rollout step"),
+    ("algo.teacher_path", lambda v: v is not None, "distillation from a teacher model"),
+)
+
 
 @functools.cache
 def cuda_available() -> bool:
@@ -92,6 +115,18 @@ def installed(module: str) -> bool:
 
 def _set(cfg: ConfigView, section: str, field: str) -> bool:
     return field in getattr(cfg, section).model_fields_set
+
+
+def _value(cfg: ConfigView, dotted: str) -> Any:
+    section, field = dotted.split(".")
+    return getattr(getattr(cfg, section), field)
+
+
+def _choices(cfg: ConfigView, dotted: str) -> tuple[Any, ...]:
+    """The values a Literal field admits (empty for any other field)."""
+    section, field = dotted.split(".")
+    annotation = type(getattr(cfg, section)).model_fields[field].annotation
+    return typing.get_args(annotation) if typing.get_origin(annotation) is Literal else ()
 
 
 def resolve(cfg: ConfigView) -> list[Problem]:
@@ -111,7 +146,27 @@ def resolve(cfg: ConfigView) -> list[Problem]:
         data.task = None
     if data.eval_path is None and not _set(cfg, "data", "eval_task"):
         data.eval_task = data.task
-    return _resolve_batch(cfg)
+    return _resolve_defaults_from(cfg) + _resolve_batch(cfg)
+
+
+def _resolve_defaults_from(cfg: ConfigView) -> list[Problem]:
+    """Each unset field of `DEFAULTS_FROM` takes its source's value, when that value is one the field admits."""
+    problems: list[Problem] = []
+    for dotted, source in DEFAULTS_FROM:
+        section, field = dotted.split(".")
+        if _set(cfg, section, field):
+            continue
+        value, choices = _value(cfg, source), _choices(cfg, dotted)
+        if choices and value not in choices:
+            problems.append(
+                (
+                    (source, dotted),
+                    f"{source}={value} cannot be {dotted}, which takes {' or '.join(map(str, choices))}: set {dotted}",
+                )
+            )
+        else:
+            setattr(getattr(cfg, section), field, value)
+    return problems
 
 
 def _resolve_batch(cfg: ConfigView) -> list[Problem]:
@@ -172,25 +227,36 @@ def _check_rollout(cfg: ConfigView, bad: Bad) -> None:
     """The async spectrum, multi-turn and routing replay."""
     ro = cfg.rollout
     if ro.partial_rollout and ro.mode == "sync":
-        bad(("rollout.partial_rollout", "rollout.mode"),
+        bad(
+            ("rollout.partial_rollout", "rollout.mode"),
             "rollout.partial_rollout=true needs rollout.mode=async or overlap "
-            "(got sync: nothing is in flight at a weight sync)")
+            "(got sync: nothing is in flight at a weight sync)",
+        )
     if ro.mode == "sync" and ro.max_staleness > 0:
-        bad(("rollout.max_staleness", "rollout.mode"),
+        bad(
+            ("rollout.max_staleness", "rollout.mode"),
             f"rollout.max_staleness={ro.max_staleness} needs rollout.mode=async or overlap "
-            "(sync is always 0 versions stale)")
+            "(sync is always 0 versions stale)",
+        )
     if ro.mode == "overlap" and ro.max_staleness == 0:
-        bad(("rollout.max_staleness", "rollout.mode"),
+        bad(
+            ("rollout.max_staleness", "rollout.mode"),
             "rollout.mode=overlap generates batch k+1 while training on batch k, so samples are 1 version stale: "
-            "rollout.max_staleness=0 contradicts it (use mode=sync, or async with max_staleness=0)")
-    if ro.max_turns > 1 and not (cfg.envs.name or cfg.envs.environment or cfg.envs.tools or ro.agent_fn
-                                 or ro.generate_fn or ro.rollout_fn):
-        bad(("rollout.max_turns",),
+            "rollout.max_staleness=0 contradicts it (use mode=sync, or async with max_staleness=0)",
+        )
+    if ro.max_turns > 1 and not (
+        cfg.envs.name or cfg.envs.environment or cfg.envs.tools or ro.agent_fn or ro.generate_fn or ro.rollout_fn
+    ):
+        bad(
+            ("rollout.max_turns",),
             f"rollout.max_turns={ro.max_turns} but nothing produces a second turn: set envs.name, envs.environment, "
-            "envs.tools, rollout.agent_fn, rollout.generate_fn or rollout.rollout_fn")
+            "envs.tools, rollout.agent_fn, rollout.generate_fn or rollout.rollout_fn",
+        )
     if ro.routing_replay and cfg.model.path is None and cfg.model.arch != "qwen3_moe":
-        bad(("rollout.routing_replay", "model.arch"),
-            f"rollout.routing_replay=true replays MoE expert routing; model.arch={cfg.model.arch} has no experts")
+        bad(
+            ("rollout.routing_replay", "model.arch"),
+            f"rollout.routing_replay=true replays MoE expert routing; model.arch={cfg.model.arch} has no experts",
+        )
 
 
 def _check_algo(cfg: ConfigView, bad: Bad) -> None:
@@ -199,34 +265,51 @@ def _check_algo(cfg: ConfigView, bad: Bad) -> None:
     if algo.name == "ppo" and algo.advantage != "gae":
         bad(("algo.name", "algo.advantage"), f"algo.name=ppo needs algo.advantage=gae (got {algo.advantage})")
     if algo.advantage == "gae" and algo.name != "ppo":
-        bad(("algo.advantage", "algo.name"),
-            f"algo.advantage=gae needs a critic, which only algo.name=ppo trains (got {algo.name})")
+        bad(
+            ("algo.advantage", "algo.name"),
+            f"algo.advantage=gae needs a critic, which only algo.name=ppo trains (got {algo.name})",
+        )
     if algo.name in ("sft", "distill") and algo.advantage != "none":
-        bad(("algo.advantage", "algo.name"),
-            f"algo.name={algo.name} uses no advantage estimator; algo.advantage must be none")
+        bad(
+            ("algo.advantage", "algo.name"),
+            f"algo.name={algo.name} uses no advantage estimator; algo.advantage must be none",
+        )
     if algo.name not in ("sft", "distill") and algo.advantage == "none":
-        bad(("algo.advantage", "algo.name"),
-            f"algo.advantage=none gives every token zero advantage, so algo.name={algo.name} would learn nothing")
+        bad(
+            ("algo.advantage", "algo.name"),
+            f"algo.advantage=none gives every token zero advantage, so algo.name={algo.name} would learn nothing",
+        )
     if algo.advantage == "dr_grpo" and algo.norm_adv_by_std:
-        bad(("algo.norm_adv_by_std", "algo.advantage"),
-            "algo.advantage=dr_grpo never divides by the group std; algo.norm_adv_by_std=true contradicts it")
+        bad(
+            ("algo.norm_adv_by_std", "algo.advantage"),
+            "algo.advantage=dr_grpo never divides by the group std; algo.norm_adv_by_std=true contradicts it",
+        )
     if algo.name == "gspo" and algo.ratio_type != "sequence":
-        bad(("algo.ratio_type", "algo.name"),
-            "algo.name=gspo is defined by a sequence-level ratio; algo.ratio_type must be sequence")
+        bad(
+            ("algo.ratio_type", "algo.name"),
+            "algo.name=gspo is defined by a sequence-level ratio; algo.ratio_type must be sequence",
+        )
     if algo.reducer_constant is not None and algo.loss_reducer != "constant":
-        bad(("algo.reducer_constant", "algo.loss_reducer"),
-            f"algo.reducer_constant is only used by algo.loss_reducer=constant (got {algo.loss_reducer})")
+        bad(
+            ("algo.reducer_constant", "algo.loss_reducer"),
+            f"algo.reducer_constant is only used by algo.loss_reducer=constant (got {algo.loss_reducer})",
+        )
     if algo.correction != "none" and algo.correction_low >= algo.correction_high:
-        bad(("algo.correction_low", "algo.correction_high"),
-            f"algo.correction_low={algo.correction_low} must be below algo.correction_high={algo.correction_high}")
-    if algo.name == "distill" and algo.teacher_path is None:
-        bad(("algo.teacher_path",), "algo.name=distill needs algo.teacher_path (a local model directory)")
+        bad(
+            ("algo.correction_low", "algo.correction_high"),
+            f"algo.correction_low={algo.correction_low} must be below algo.correction_high={algo.correction_high}",
+        )
     needs_groups = algo.advantage in GROUP_ADVANTAGES or ro.dynamic_filter
     if needs_groups and algo.name not in ("sft", "distill") and ro.n_samples_per_prompt < 2:
-        why = ("rollout.dynamic_filter=true drops" if ro.dynamic_filter
-               else f"algo.advantage={algo.advantage} gives zero advantage to")
-        bad(("rollout.n_samples_per_prompt", "rollout.dynamic_filter" if ro.dynamic_filter else "algo.advantage"),
-            f"rollout.n_samples_per_prompt=1: {why} every group of one sample; use 2 or more")
+        why = (
+            "rollout.dynamic_filter=true drops"
+            if ro.dynamic_filter
+            else f"algo.advantage={algo.advantage} gives zero advantage to"
+        )
+        bad(
+            ("rollout.n_samples_per_prompt", "rollout.dynamic_filter" if ro.dynamic_filter else "algo.advantage"),
+            f"rollout.n_samples_per_prompt=1: {why} every group of one sample; use 2 or more",
+        )
 
 
 def _check_train(cfg: ConfigView, bad: Bad) -> None:
@@ -234,30 +317,32 @@ def _check_train(cfg: ConfigView, bad: Bad) -> None:
     tr = cfg.train
     total_opt = tr.total_steps * tr.num_steps_per_rollout
     if tr.warmup_steps > total_opt:
-        bad(("train.warmup_steps", "train.total_steps"),
+        bad(
+            ("train.warmup_steps", "train.total_steps"),
             f"train.warmup_steps={tr.warmup_steps} exceeds the run's {total_opt} optimiser steps "
-            f"(train.total_steps={tr.total_steps} × train.num_steps_per_rollout={tr.num_steps_per_rollout})")
+            f"(train.total_steps={tr.total_steps} × train.num_steps_per_rollout={tr.num_steps_per_rollout})",
+        )
     if tr.lora.enabled and cfg.weights.transport == "p2p":
-        bad(("train.lora.enabled", "weights.transport"),
+        bad(
+            ("train.lora.enabled", "weights.transport"),
             "train.lora.enabled=true syncs weights merged from the base and the adapters, which "
             "weights.transport=p2p (each rank sends its own shards of the base) cannot carry; "
-            "use shm, broadcast, disk or delta")
+            "use shm, broadcast, disk or delta",
+        )
 
 
 def _check_not_built(cfg: ConfigView, bad: Bad) -> None:
-    """Settings the schema accepts but nothing builds yet: refused rather than silently ignored."""
-    ro, tr, eng = cfg.rollout, cfg.train, cfg.engine
-    not_built = [
-        ("engine.quantization", eng.quantization != "none", "quantised rollout weights (FP8/MXFP8/NVFP4)"),
-        ("train.qat", tr.qat != "none", "INT4 quantisation-aware training"),
-        ("rollout.routing_replay", ro.routing_replay,
-         "replaying MoE routing in the trainer (engines already record it)"),
-        ("rollout.rollout_fn", ro.rollout_fn is not None, "replacing the whole rollout step"),
-        ("train.convert_fn", tr.convert_fn is not None, "a custom samples-to-train-batch conversion"),
-    ]
-    for field, used, what in not_built:
-        if used:
+    """Settings the schema accepts but nothing builds yet (`NOT_BUILT`): refused rather than silently ignored."""
+    for field, used, what in NOT_BUILT:
+        if used(_value(cfg, field)):
             bad((field,), f"{field}: {what} is not built yet; remove the setting (see docs/features.yaml for status)")
+    if cfg.algo.name == "distill":  # the loss exists (train/losses/distill.py); its teacher log-probs do not
+        bad(
+            ("algo.name", "algo.teacher_path"),
+            "algo.name=distill: on-policy distillation is not built yet: nothing scores samples with a teacher "
+            "(algo.teacher_path), so the run would stop at its first step; use another algo.name "
+            "(see docs/features.yaml for status)",
+        )
 
 
 def _check_hardware(cfg: ConfigView, bad: Bad) -> None:
@@ -273,19 +358,25 @@ def _check_hardware(cfg: ConfigView, bad: Bad) -> None:
     if cfg.cluster.address is None and (cfg.cluster.num_gpus or 0) > 0:
         gpu_users.append(("cluster.num_gpus", f"cluster.num_gpus={cfg.cluster.num_gpus} on a local Ray"))
     if gpu_users and not cuda_available():
-        bad(tuple(f for f, _ in gpu_users),
+        bad(
+            tuple(f for f, _ in gpu_users),
             f"{' and '.join(m for _, m in gpu_users)} {'needs' if len(gpu_users) == 1 else 'need'} a CUDA GPU, "
             "and none is visible "
-            "(on CPU use train.backend=gloo or auto, engine.backend=builtin)")
+            "(on CPU use train.backend=gloo or auto, engine.backend=builtin)",
+        )
     if eng.backend == "sglang" and not installed("sglang"):
-        bad(("engine.backend",),
-            "engine.backend=sglang but the sglang package is not installed (pip install 'furlong[gpu]')")
+        bad(
+            ("engine.backend",),
+            "engine.backend=sglang but the sglang package is not installed (pip install 'furlong[gpu]')",
+        )
     for flag in ("wandb", "mlflow"):
         if getattr(cfg.observe, flag) and not installed(flag):
             bad((f"observe.{flag}",), f"observe.{flag}=true but the {flag} package is not installed")
     if cfg.observe.dashboard and not cfg.observe.event_store:
-        bad(("observe.dashboard", "observe.event_store"),
-            "observe.dashboard=true reads the event store; set observe.event_store=true")
+        bad(
+            ("observe.dashboard", "observe.event_store"),
+            "observe.dashboard=true reads the event store; set observe.event_store=true",
+        )
 
 
 def _check_data(cfg: ConfigView, bad: Bad) -> None:
@@ -298,11 +389,14 @@ def _check_data(cfg: ConfigView, bad: Bad) -> None:
     if data.eval_path is not None and data.eval_task is not None:
         bad(("data.eval_path", "data.eval_task"), "set one of data.eval_path and data.eval_task, not both")
     if ro.eval_every > 0 and data.eval_path is None and data.eval_task is None:
-        bad(("rollout.eval_every", "data.eval_path"),
-            f"rollout.eval_every={ro.eval_every} but there is no eval data: set data.eval_path or data.eval_task")
+        bad(
+            ("rollout.eval_every", "data.eval_path"),
+            f"rollout.eval_every={ro.eval_every} but there is no eval data: set data.eval_path or data.eval_task",
+        )
     if cfg.envs.name and cfg.envs.environment:
-        bad(("envs.name", "envs.environment"),
-            "set one of envs.name (built-in) and envs.environment (custom), not both")
+        bad(
+            ("envs.name", "envs.environment"), "set one of envs.name (built-in) and envs.environment (custom), not both"
+        )
     for field, value, kind in (
         ("model.path", cfg.model.path, "dir"),
         ("algo.teacher_path", algo.teacher_path, "dir"),

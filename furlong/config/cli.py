@@ -20,8 +20,9 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="action", required=True)
     show = sub.add_parser("show", help="print the resolved config of RECIPE with overrides applied")
     show.add_argument("recipe", nargs="?", help="a YAML recipe; '-' or omitted: defaults only")
-    show.add_argument("overrides", nargs="*", metavar="key=value",
-                      help="dotted overrides, e.g. rollout.n_samples_per_prompt=8")
+    show.add_argument(
+        "overrides", nargs="*", metavar="key=value", help="dotted overrides, e.g. rollout.n_samples_per_prompt=8"
+    )
     show.add_argument("--plugins", action="store_true", help="also import and check every plug point the config names")
     args = parser.parse_args(argv)
     recipe = args.recipe

@@ -24,188 +24,44 @@ from __future__ import annotations
 import difflib
 import functools
 import inspect
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Literal
 
+from furlong.config.protocols import (  # noqa: F401 - the Protocols are part of the registry's table
+    BUILT_OBJECTS,
+    AdvantageFn,
+    AfterSaveFn,
+    AgentFn,
+    BeforeTrainStepFn,
+    Buffer,
+    BufferFactory,
+    ConvertFn,
+    CorrectionFn,
+    DataSourceFactory,
+    DynamicFilterFn,
+    Environment,
+    EnvironmentFactory,
+    EvalFn,
+    GenerateFn,
+    GroupRewardFn,
+    LoggingSink,
+    LossFn,
+    ReducerFn,
+    RewardFn,
+    RewardPostFn,
+    RolloutFn,
+    SampleFilterFn,
+    Sandbox,
+    SandboxFactory,
+    SinkFactory,
+    ToolFn,
+)
 from furlong.config.schema import ConfigError
 from furlong.core.plugins import PluginError, import_path
 
 if TYPE_CHECKING:
-    from torch import Tensor
-
-    from furlong.config.schema import AlgoConfig, Config
-    from furlong.core.sample import Sample
-
-# Types of the floors above config, named in the Protocols' annotations but never imported, not even
-# for type checkers: config sits below data, rollout and train (DESIGN §4). Annotations are postponed
-# (the __future__ import), so they stay the strings written here and are rendered as such in the docs
-# (`_render`); `noqa: F821` marks each such name. Where each lives:
-#   Prompt, PromptSource   furlong.data                 Group           furlong.rollout.buffer
-#   RolloutContext         furlong.rollout.generate     TrainBatch      furlong.train.batch
-#   Correction             furlong.train.losses.corrections
-
-
-# ---------------------------------------------------------------- objects some plug points build
-class Buffer(Protocol):
-    """Groups in flight or finished, in the order their prompts were taken (see `rollout/buffer.py`)."""
-
-    capacity: int
-
-    def __len__(self) -> int: ...
-    def __getitem__(self, i: int) -> Group: ...  # noqa: F821
-    def __iter__(self) -> Iterator[Group]: ...  # noqa: F821
-    def push(self, group: Group) -> None: ...  # noqa: F821
-    def popleft(self) -> Group: ...  # noqa: F821
-    async def wait_for_space(self) -> None: ...
-    def state_dict(self) -> list[dict[str, Any]]: ...
-    def load_state_dict(self, state: list[dict[str, Any]]) -> None: ...
-
-
-class Environment(Protocol):
-    """An agentic environment: observations after each model turn, then a reward."""
-
-    async def reset(self, sample: Sample) -> list[dict[str, Any]]: ...  # extra messages to start from
-    async def step(self, sample: Sample, action: str) -> tuple[list[dict[str, Any]], bool]: ...  # (messages, done)
-    async def reward(self, sample: Sample) -> float | dict[str, float]: ...
-
-
-class Sandbox(Protocol):
-    """Runs untrusted code away from the trainer and engine processes, with limits."""
-
-    async def run(self, code: str, *, timeout_s: float) -> dict[str, Any]: ...  # stdout, stderr, exit_code, ...
-    async def close(self) -> None: ...
-
-
-class LoggingSink(Protocol):
-    """Receives every step's metrics (console, JSONL, TensorBoard, W&B, MLflow are sinks too)."""
-
-    def log(self, step: int, metrics: Mapping[str, float]) -> None: ...
-    def close(self) -> None: ...
-
-
-BUILT_OBJECTS = (Buffer, Environment, Sandbox, LoggingSink)
-
-
-# ---------------------------------------------------------------- the plug points' signatures
-class RolloutFn(Protocol):
-    async def __call__(
-        self,
-        ctx: RolloutContext,  # noqa: F821
-        data_source: PromptSource,  # noqa: F821
-        step: int,
-    ) -> list[list[Sample]]: ...
-
-
-class GenerateFn(Protocol):
-    async def __call__(
-        self,
-        ctx: RolloutContext,  # noqa: F821
-        sample: Sample,
-        sampling_params: dict[str, Any],
-    ) -> Sample: ...
-
-
-class AgentFn(Protocol):
-    async def __call__(self, sample: Sample, base_url: str) -> float | dict[str, float] | None: ...
-
-
-class RewardFn(Protocol):
-    async def __call__(self, sample: Sample) -> float | dict[str, float]: ...
-
-
-class GroupRewardFn(Protocol):
-    async def __call__(self, samples: list[Sample]) -> list[float | dict[str, float]]: ...
-
-
-class RewardPostFn(Protocol):
-    def __call__(self, samples: list[Sample]) -> list[float]: ...
-
-
-class DynamicFilterFn(Protocol):
-    async def __call__(self, samples: list[Sample]) -> str | bool | None: ...
-
-
-class SampleFilterFn(Protocol):
-    async def __call__(self, sample: Sample) -> str | bool | None: ...
-
-
-class DataSourceFactory(Protocol):
-    def __call__(self) -> PromptSource: ...  # noqa: F821
-
-
-class BufferFactory(Protocol):
-    def __call__(self, capacity: int) -> Buffer: ...
-
-
-class EvalFn(Protocol):
-    async def __call__(
-        self,
-        ctx: RolloutContext,  # noqa: F821
-        prompts: list[tuple[Prompt, list[int]]],  # noqa: F821
-    ) -> dict[str, float]: ...
-
-
-class LossFn(Protocol):
-    def __call__(
-        self, algo: AlgoConfig, logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor
-    ) -> tuple[Tensor, dict[str, float]]: ...
-
-
-class AdvantageFn(Protocol):
-    def __call__(
-        self,
-        algo: AlgoConfig,
-        rewards: Tensor,
-        group_index: Tensor,
-        mask: Tensor,
-        values: Tensor | None,
-        kl: Tensor | None,
-    ) -> tuple[Tensor, Tensor | None]: ...
-
-
-class CorrectionFn(Protocol):
-    def __call__(self, algo: AlgoConfig, tensors: Mapping[str, Tensor]) -> Correction: ...  # noqa: F821
-
-
-class ReducerFn(Protocol):
-    def __call__(
-        self,
-        values: Tensor,
-        mask: Tensor,
-        *,
-        constant: float | None,
-        total_tokens: float | None,
-        total_samples: float | None,
-    ) -> Tensor: ...
-
-
-class ConvertFn(Protocol):
-    def __call__(self, samples: list[Sample]) -> TrainBatch: ...  # noqa: F821
-
-
-class BeforeTrainStepFn(Protocol):
-    def __call__(self, step: int, batch: TrainBatch) -> None: ...  # noqa: F821
-
-
-class AfterSaveFn(Protocol):
-    def __call__(self, step: int, path: str) -> None: ...
-
-
-class ToolFn(Protocol):
-    async def __call__(self, name: str, arguments: dict[str, Any]) -> str: ...
-
-
-class EnvironmentFactory(Protocol):
-    def __call__(self) -> Environment: ...
-
-
-class SandboxFactory(Protocol):
-    def __call__(self) -> Sandbox: ...
-
-
-class SinkFactory(Protocol):
-    def __call__(self) -> LoggingSink: ...
+    from furlong.config.schema import Config
 
 
 # ---------------------------------------------------------------- the registry
@@ -240,68 +96,162 @@ def _render(fn: Callable[..., Any], name: str, prefix: str) -> str:
 
 _R, _T, _E, _O = "rollout", "train", "envs", "observe"
 PLUG_POINTS: tuple[PlugPoint, ...] = (
-    PlugPoint("rollout", f"{_R}.rollout_fn", RolloutFn,
-              "Produce one step's groups of samples, replacing the built-in generate -> reward -> filter pipeline.",
-              calling="async"),
-    PlugPoint("generate", f"{_R}.generate_fn", GenerateFn,
-              "Extend one sample through the engines and set its status; also resumes a partial rollout.",
-              "furlong.rollout.generate:generate", calling="async"),
-    PlugPoint("agent", f"{_R}.agent_fn", AgentFn,
-              "Drive a black-box agent against an OpenAI-compatible base_url (a TITO session); may return its reward.",
-              calling="async"),
-    PlugPoint("reward", f"{_R}.reward_fn", RewardFn,
-              "Score one finished sample: a float, or a dict whose 'score' key is the reward.",
-              "furlong.rollout.rewards:task_reward", calling="either"),
-    PlugPoint("group_reward", f"{_R}.group_reward_fn", GroupRewardFn,
-              "Score a whole group at once (pairwise or ranking rewards); used instead of the per-sample reward.",
-              calling="either"),
-    PlugPoint("reward_post_process", f"{_R}.reward_post_fn", RewardPostFn,
-              "Turn a batch's rewards into the scalars advantages use (shaping, length penalty, normalisation).",
-              calling="either"),
-    PlugPoint("dynamic_filter", f"{_R}.dynamic_filter_fn", DynamicFilterFn,
-              "Keep (None/True) or drop (False or a reason string, counted) a finished group.",
-              "furlong.rollout.filters:zero_variance", calling="either"),
-    PlugPoint("sample_filter", f"{_R}.sample_filter_fn", SampleFilterFn,
-              "Mask one sample out of the loss (False or a reason) while keeping it in its group.",
-              calling="either"),
-    PlugPoint("data_source", f"{_R}.data_source", DataSourceFactory,
-              "Build the prompt source (next_batch, push_back, state_dict, load_state_dict).",
-              offers=("config", "seed")),
-    PlugPoint("buffer", f"{_R}.buffer", BufferFactory,
-              "Build the bounded buffer of groups between rollout and training.",
-              "furlong.rollout.buffer:GroupBuffer", offers=("config",)),
-    PlugPoint("eval", f"{_R}.eval_fn", EvalFn,
-              "Evaluate the policy on held-out (prompt, prompt ids) pairs; returns metrics such as eval/pass@k.",
-              "furlong.rollout.eval:evaluate", calling="either",
-              offers=("n_samples", "sampling_params", "reward_fn", "generate_fn", "seed", "step")),
-    PlugPoint("loss", f"{_T}.loss_fn", LossFn,
-              "Per-token policy loss [B, T] and metrics (before correction weights and the reducer).",
-              "furlong.train.losses.policy:ppo_clip_loss"),
-    PlugPoint("advantage", f"{_T}.advantage_fn", AdvantageFn,
-              "Advantages [B, T] (and returns or None) from rewards [B]; "
-              "unset: the estimator named by algo.advantage."),
-    PlugPoint("correction", f"{_T}.correction_fn", CorrectionFn,
-              "Off-policy correction weights [B, T] for rollout/train mismatch; "
-              "unset: the one named by algo.correction."),
-    PlugPoint("reducer", f"{_T}.reducer_fn", ReducerFn,
-              "Reduce per-token losses [B, T] to a scalar; unset: the one named by algo.loss_reducer."),
-    PlugPoint("convert", f"{_T}.convert_fn", ConvertFn,
-              "Convert a step's samples into the padded train batch.",
-              "furlong.train.batch:TrainBatch.from_samples"),
-    PlugPoint("before_train_step", f"{_T}.before_train_step", BeforeTrainStepFn,
-              "Hook called before each optimiser step with its batch."),
-    PlugPoint("after_save", f"{_T}.after_save", AfterSaveFn,
-              "Hook called after a checkpoint is written (e.g. copy it elsewhere)."),
-    PlugPoint("tool", f"{_E}.tool_fn", ToolFn,
-              "Execute one tool call parsed from the model's output; returns the tool's text.",
-              calling="either"),
-    PlugPoint("environment", f"{_E}.environment", EnvironmentFactory,
-              "Build a custom agentic environment (reset / step / reward).", offers=("config", "seed")),
-    PlugPoint("sandbox", f"{_E}.sandbox_factory", SandboxFactory,
-              "Build a custom sandbox provider for untrusted code; overrides envs.sandbox.", offers=("config",)),
-    PlugPoint("logging_sink", f"{_O}.sinks", SinkFactory,
-              "Build an extra metrics sink (log / close); a list, each entry one sink.",
-              offers=("config",), many=True),
+    PlugPoint(
+        "rollout",
+        f"{_R}.rollout_fn",
+        RolloutFn,
+        "Produce one step's groups of samples, replacing the built-in generate -> reward -> filter pipeline.",
+        calling="async",
+    ),
+    PlugPoint(
+        "generate",
+        f"{_R}.generate_fn",
+        GenerateFn,
+        "Extend one sample through the engines and set its status; also resumes a partial rollout.",
+        "furlong.rollout.generate:generate",
+        calling="async",
+    ),
+    PlugPoint(
+        "agent",
+        f"{_R}.agent_fn",
+        AgentFn,
+        "Drive a black-box agent against an OpenAI-compatible base_url (a TITO session); may return its reward.",
+        calling="async",
+    ),
+    PlugPoint(
+        "reward",
+        f"{_R}.reward_fn",
+        RewardFn,
+        "Score one finished sample: a float, or a dict whose 'score' key is the reward.",
+        "furlong.rollout.rewards:task_reward",
+        calling="either",
+    ),
+    PlugPoint(
+        "group_reward",
+        f"{_R}.group_reward_fn",
+        GroupRewardFn,
+        "Score a whole group at once (pairwise or ranking rewards); used instead of the per-sample reward.",
+        calling="either",
+    ),
+    PlugPoint(
+        "reward_post_process",
+        f"{_R}.reward_post_fn",
+        RewardPostFn,
+        "Turn a batch's rewards into the scalars advantages use (shaping, length penalty, normalisation).",
+        calling="either",
+    ),
+    PlugPoint(
+        "dynamic_filter",
+        f"{_R}.dynamic_filter_fn",
+        DynamicFilterFn,
+        "Keep (None/True) or drop (False or a reason string, counted) a finished group.",
+        "furlong.rollout.filters:zero_variance",
+        calling="either",
+    ),
+    PlugPoint(
+        "sample_filter",
+        f"{_R}.sample_filter_fn",
+        SampleFilterFn,
+        "Mask one sample out of the loss (False or a reason) while keeping it in its group.",
+        calling="either",
+    ),
+    PlugPoint(
+        "data_source",
+        f"{_R}.data_source",
+        DataSourceFactory,
+        "Build the prompt source (next_batch, push_back, state_dict, load_state_dict).",
+        offers=("config", "seed"),
+    ),
+    PlugPoint(
+        "buffer",
+        f"{_R}.buffer",
+        BufferFactory,
+        "Build the bounded buffer of groups between rollout and training.",
+        "furlong.rollout.buffer:GroupBuffer",
+        offers=("config",),
+    ),
+    PlugPoint(
+        "eval",
+        f"{_R}.eval_fn",
+        EvalFn,
+        "Evaluate the policy on held-out (prompt, prompt ids) pairs; returns metrics such as eval/pass@k.",
+        "furlong.rollout.eval:evaluate",
+        calling="either",
+        offers=("n_samples", "sampling_params", "reward_fn", "generate_fn", "seed", "step"),
+    ),
+    PlugPoint(
+        "loss",
+        f"{_T}.loss_fn",
+        LossFn,
+        "Per-token policy loss [B, T] and metrics (before correction weights and the reducer).",
+        "furlong.train.losses.policy:ppo_clip_loss",
+    ),
+    PlugPoint(
+        "advantage",
+        f"{_T}.advantage_fn",
+        AdvantageFn,
+        "Advantages [B, T] (and returns or None) from rewards [B]; unset: the estimator named by algo.advantage.",
+    ),
+    PlugPoint(
+        "correction",
+        f"{_T}.correction_fn",
+        CorrectionFn,
+        "Off-policy correction weights [B, T] for rollout/train mismatch; unset: the one named by algo.correction.",
+    ),
+    PlugPoint(
+        "reducer",
+        f"{_T}.reducer_fn",
+        ReducerFn,
+        "Reduce per-token losses [B, T] to a scalar; unset: the one named by algo.loss_reducer.",
+    ),
+    PlugPoint(
+        "convert",
+        f"{_T}.convert_fn",
+        ConvertFn,
+        "Convert a step's samples into the padded train batch.",
+        "furlong.train.batch:TrainBatch.from_samples",
+    ),
+    PlugPoint(
+        "before_train_step",
+        f"{_T}.before_train_step",
+        BeforeTrainStepFn,
+        "Hook called before each optimiser step with its batch.",
+    ),
+    PlugPoint(
+        "after_save",
+        f"{_T}.after_save",
+        AfterSaveFn,
+        "Hook called after a checkpoint is written (e.g. copy it elsewhere).",
+    ),
+    PlugPoint(
+        "tool",
+        f"{_E}.tool_fn",
+        ToolFn,
+        "Execute one tool call parsed from the model's output; returns the tool's text.",
+        calling="either",
+    ),
+    PlugPoint(
+        "environment",
+        f"{_E}.environment",
+        EnvironmentFactory,
+        "Build a custom agentic environment (reset / step / reward).",
+        offers=("config", "seed"),
+    ),
+    PlugPoint(
+        "sandbox",
+        f"{_E}.sandbox_factory",
+        SandboxFactory,
+        "Build a custom sandbox provider for untrusted code; overrides envs.sandbox.",
+        offers=("config",),
+    ),
+    PlugPoint(
+        "logging_sink",
+        f"{_O}.sinks",
+        SinkFactory,
+        "Build an extra metrics sink (log / close); a list, each entry one sink.",
+        offers=("config",),
+        many=True,
+    ),
 )
 
 BY_KEY: dict[str, PlugPoint] = {p.key: p for p in PLUG_POINTS}
@@ -379,8 +329,7 @@ def _fit(point: PlugPoint, path: str, fn: Any, key: str) -> Callable[..., Any]:
     if point.calling == "async" and not _is_async(fn):
         raise PluginError(key, path, "must be a coroutine function (async def): furlong awaits it", expected)
     if point.calling == "sync" and _is_async(fn):
-        raise PluginError(key, path, "must be a plain function, not async: furlong calls it without awaiting",
-                          expected)
+        raise PluginError(key, path, "must be a plain function, not async: furlong calls it without awaiting", expected)
     try:
         sig = inspect.signature(fn)
     except (TypeError, ValueError):  # a builtin without a signature: nothing more to check
@@ -393,27 +342,30 @@ def _fit(point: PlugPoint, path: str, fn: Any, key: str) -> Callable[..., Any]:
     slots = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
     if len(slots) < len(positional) and not any(p.kind is p.VAR_POSITIONAL for p in params):
         raise PluginError(
-            key, path,
+            key,
+            path,
             f"takes {len(slots)} positional parameter(s) ({', '.join(p.name for p in slots) or 'none'}) "
-            f"but furlong passes {len(positional)} ({', '.join(positional)})", expected)
-    extra = slots[len(positional):]
+            f"but furlong passes {len(positional)} ({', '.join(positional)})",
+            expected,
+        )
+    extra = slots[len(positional) :]
     rest = {p.name: p for p in extra if p.kind is not p.POSITIONAL_ONLY}  # what a keyword can reach
     for p in extra:
         if p.kind is p.POSITIONAL_ONLY and p.default is p.empty:
-            raise PluginError(key, path, f"requires positional parameter {p.name!r}, which furlong never passes",
-                              expected)
+            raise PluginError(
+                key, path, f"requires positional parameter {p.name!r}, which furlong never passes", expected
+            )
     rest.update({p.name: p for p in params if p.kind is p.KEYWORD_ONLY})
     for name in keywords:
         if name not in rest and not takes_var_kw:
-            raise PluginError(key, path, f"does not accept the keyword argument {name!r} that furlong passes",
-                              expected)
+            raise PluginError(key, path, f"does not accept the keyword argument {name!r} that furlong passes", expected)
     accepted = [n for n in point.offers if n in rest or takes_var_kw]
     for p in rest.values():
         if p.default is p.empty and p.name not in keywords and p.name not in accepted:
             given = ", ".join(positional + keywords + list(point.offers)) or "nothing"
-            raise PluginError(key, path,
-                              f"requires parameter {p.name!r}, which furlong never passes (it passes: {given})",
-                              expected)
+            raise PluginError(
+                key, path, f"requires parameter {p.name!r}, which furlong never passes (it passes: {given})", expected
+            )
     if not point.offers or len(accepted) == len(point.offers):
         return fn
     return _offering(fn, frozenset(accepted))
@@ -474,9 +426,13 @@ def markdown() -> str:
         lines.append(f"- default: `{p.default}`" if p.default else "- default: none")
         if p.offers:
             lines.append(f"- offered context (keyword, only if declared): {', '.join(f'`{o}`' for o in p.offers)}")
-    lines += ["", "## objects", "",
-              "What the factory plug points build. A data source follows `furlong.data.PromptSource`",
-              "(`next_batch`, `push_back`, `state_dict`, `load_state_dict`); the others follow:"]
+    lines += [
+        "",
+        "## objects",
+        "",
+        "What the factory plug points build. A data source follows `furlong.data.PromptSource`",
+        "(`next_batch`, `push_back`, `state_dict`, `load_state_dict`); the others follow:",
+    ]
     for proto in BUILT_OBJECTS:
         lines += ["", f"### {proto.__name__}", "", inspect.getdoc(proto) or "", "", "```python"]
         for name, member in vars(proto).items():

@@ -84,7 +84,7 @@ class ModelConfig(Section):
     path: str | None = None  # a local HF model dir; None -> built locally from arch + size
     arch: Literal["qwen3", "llama", "qwen3_moe"] = "qwen3"  # HF architecture of a locally built model
     size: Literal["tiny", "small", "m25"] = "tiny"  # tiny 0.14M, small 3.4M, m25 25.7M parameters
-    dtype: Dtype = "float32"  # weights as loaded for training and rollout
+    dtype: Dtype = "float32"  # default of train.dtype and engine.dtype when those are unset
     seed: int = 0  # weight init of a locally built model
     max_positions: int = Field(2048, ge=64, le=131072)  # context length of a locally built model
 
@@ -150,7 +150,7 @@ class EngineConfig(Section):
 
     backend: Literal["builtin", "sglang"] = "builtin"  # builtin PyTorch engine (CPU/GPU) or SGLang (GPU)
     num_engines: int = Field(1, ge=1)  # engine servers behind the router
-    dtype: Dtype = "float32"
+    dtype: Dtype = "float32"  # rollout weights; unset -> model.dtype
     quantization: Literal["none", "fp8", "mxfp8", "nvfp4"] = "none"  # rollout weights, quantised at sync
     kv_cache_mb: int = Field(256, ge=1)  # KV-cache budget per engine
     max_running: int = Field(64, ge=1)  # requests decoded together per engine
@@ -200,7 +200,7 @@ class TrainConfig(Section):
     micro_batch_tokens: int = Field(512, ge=1)  # token budget of one packed micro-batch (attention is quadratic in it)
     global_batch_size: int = Field(16, ge=1)  # samples per optimiser step
     num_steps_per_rollout: int = Field(1, ge=1)  # optimiser steps per rollout batch
-    dtype: Literal["float32", "bfloat16"] = "float32"  # parameter dtype in training
+    dtype: Literal["float32", "bfloat16"] = "float32"  # parameter dtype in training; unset -> model.dtype
     qat: Literal["none", "int4"] = "none"  # quantisation-aware training of the weights
     gradient_checkpointing: bool = False
     ref_update_every: int = Field(0, ge=0)  # RL steps; 0 = the reference model stays frozen

@@ -13,7 +13,6 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-
 # How an engine treats requests in flight at `/pause_generation` (SGLang's modes):
 #   abort     end them now (finish reason "abort"); the client resubmits what it wants
 #   retract   requeue them; they resume from their tokens after `/continue_generation`
@@ -42,8 +41,18 @@ SERVER_INFO = "/get_server_info"
 TOKENIZE = "/tokenize"
 DETOKENIZE = "/detokenize"
 # Endpoints that change what an engine serves: they require the run's admin token.
-CONTROL_PATHS = (ABORT, PAUSE, CONTINUE, FLUSH_CACHE, UPDATE_FROM_TENSOR, UPDATE_FROM_DISK, UPDATE_FROM_DISTRIBUTED,
-                 INIT_GROUP, DESTROY_GROUP, WEIGHT_CHECKSUMS)
+CONTROL_PATHS = (
+    ABORT,
+    PAUSE,
+    CONTINUE,
+    FLUSH_CACHE,
+    UPDATE_FROM_TENSOR,
+    UPDATE_FROM_DISK,
+    UPDATE_FROM_DISTRIBUTED,
+    INIT_GROUP,
+    DESTROY_GROUP,
+    WEIGHT_CHECKSUMS,
+)
 
 MAX_N = 16
 MAX_STOP = 16
@@ -81,14 +90,13 @@ class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
 
-
-
 def _check_stop(cls, v):
     """`stop`: one string or a list of at most MAX_STOP non-empty strings."""
     v = [v] if isinstance(v, str) else v
     if v is not None and (len(v) > MAX_STOP or any(not s for s in v)):
         raise ValueError(f"at most {MAX_STOP} non-empty strings")
     return v
+
 
 class SamplingParamsIn(Strict):
     max_new_tokens: int | None = Field(None, strict=True, ge=0)

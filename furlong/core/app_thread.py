@@ -34,7 +34,9 @@ def url_of(sock: socket.socket) -> str:
 class AppThread:
     """`start()` (or `with`) serves `app` until `stop()`; `url` is set from construction on."""
 
-    def __init__(self, app: Any, host: str = "127.0.0.1", port: int = 0, *, name: str = "furlong-http", **uvicorn_kw: Any):
+    def __init__(
+        self, app: Any, host: str = "127.0.0.1", port: int = 0, *, name: str = "furlong-http", **uvicorn_kw: Any
+    ):
         import uvicorn
 
         self.name = name
@@ -43,10 +45,12 @@ class AppThread:
         self._uvicorn = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, **uvicorn_kw))
         self._thread: threading.Thread | None = None
 
-    def start(self, timeout_s: float = 30.0) -> "AppThread":
+    def start(self, timeout_s: float = 30.0) -> AppThread:
         if self._thread is not None:
             return self
-        self._thread = threading.Thread(target=self._uvicorn.run, kwargs={"sockets": [self._sock]}, name=self.name, daemon=True)
+        self._thread = threading.Thread(
+            target=self._uvicorn.run, kwargs={"sockets": [self._sock]}, name=self.name, daemon=True
+        )
         self._thread.start()
         deadline = time.monotonic() + timeout_s
         while not self._uvicorn.started:
@@ -65,7 +69,7 @@ class AppThread:
             self._thread.join(timeout_s)
         self._sock.close()
 
-    def __enter__(self) -> "AppThread":
+    def __enter__(self) -> AppThread:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:

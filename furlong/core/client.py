@@ -35,9 +35,24 @@ from typing import Any
 
 import httpx
 
-from furlong.core.api import (ABORT, CONTINUE, CONTROL_PATHS, DESTROY_GROUP, FLUSH_CACHE, GENERATE, HEALTH, INIT_GROUP,
-                              MODEL_INFO, PAUSE, PAUSE_MODES, UPDATE_FROM_DISK, UPDATE_FROM_DISTRIBUTED,
-                              UPDATE_FROM_TENSOR, WEIGHT_CHECKSUMS, WEIGHT_VERSION)
+from furlong.core.api import (
+    ABORT,
+    CONTINUE,
+    CONTROL_PATHS,
+    DESTROY_GROUP,
+    FLUSH_CACHE,
+    GENERATE,
+    HEALTH,
+    INIT_GROUP,
+    MODEL_INFO,
+    PAUSE,
+    PAUSE_MODES,
+    UPDATE_FROM_DISK,
+    UPDATE_FROM_DISTRIBUTED,
+    UPDATE_FROM_TENSOR,
+    WEIGHT_CHECKSUMS,
+    WEIGHT_VERSION,
+)
 
 RETRY_STATUS = {502, 503, 504}
 GROUP_NAME = "weight_update_group"
@@ -99,8 +114,9 @@ class _Endpoint:
         nothing) is a success and comes back as `{"message": text}`.
         """
         if resp.status_code != 200:
-            raise EngineError(f"{method} {self.url}{path}: HTTP {resp.status_code}: {error_text(resp)}",
-                              resp.status_code)
+            raise EngineError(
+                f"{method} {self.url}{path}: HTTP {resp.status_code}: {error_text(resp)}", resp.status_code
+            )
         try:
             out = resp.json()
         except ValueError:
@@ -163,8 +179,13 @@ class EngineClient(_Endpoint):
             async with self._slots:
                 await self._open.wait()  # a weight sync holds new requests here
                 rid = uuid.uuid4().hex
-                payload = {"input_ids": list(input_ids), "sampling_params": sampling_params, "return_logprob": True,
-                           "rid": rid, **extra}
+                payload = {
+                    "input_ids": list(input_ids),
+                    "sampling_params": sampling_params,
+                    "return_logprob": True,
+                    "rid": rid,
+                    **extra,
+                }
                 self._inflight.add(rid)
                 self._idle.clear()
                 self.requests += 1
@@ -241,7 +262,7 @@ class EngineClient(_Endpoint):
     async def aclose(self) -> None:
         await self._http.aclose()
 
-    async def __aenter__(self) -> "EngineClient":
+    async def __aenter__(self) -> EngineClient:
         return self
 
     async def __aexit__(self, *exc: object) -> None:
@@ -255,8 +276,14 @@ class EngineControl(_Endpoint):
     arguments left at None are not sent, so the engine applies its own default.
     """
 
-    def __init__(self, url: str, *, admin_token: str | None = None, timeout_s: float = 600.0,
-                 transport: httpx.BaseTransport | None = None):
+    def __init__(
+        self,
+        url: str,
+        *,
+        admin_token: str | None = None,
+        timeout_s: float = 600.0,
+        transport: httpx.BaseTransport | None = None,
+    ):
         super().__init__(url, admin_token)
         self._http = httpx.Client(base_url=self.url, timeout=timeout_s, transport=transport)
 
@@ -298,32 +325,72 @@ class EngineControl(_Endpoint):
         self._call("POST", FLUSH_CACHE, {})
 
     # ---- weights ----------------------------------------------------------
-    def update_weights_from_tensor(self, shm: dict[str, Any], *, weight_version: int | None = None,
-                                   flush_cache: bool | None = None) -> dict[str, Any]:
+    def update_weights_from_tensor(
+        self, shm: dict[str, Any], *, weight_version: int | None = None, flush_cache: bool | None = None
+    ) -> dict[str, Any]:
         """Load the tensors a shared-memory handle (`weights.tensors.write_shm` format) describes."""
-        return self._call("POST", UPDATE_FROM_TENSOR,
-                          _given(shm=shm, weight_version=weight_version, flush_cache=flush_cache))
+        return self._call(
+            "POST", UPDATE_FROM_TENSOR, _given(shm=shm, weight_version=weight_version, flush_cache=flush_cache)
+        )
 
-    def update_weights_from_disk(self, model_path: str, *, weight_version: int | None = None,
-                                 flush_cache: bool | None = None) -> dict[str, Any]:
-        return self._call("POST", UPDATE_FROM_DISK,
-                          _given(model_path=model_path, weight_version=weight_version, flush_cache=flush_cache))
+    def update_weights_from_disk(
+        self, model_path: str, *, weight_version: int | None = None, flush_cache: bool | None = None
+    ) -> dict[str, Any]:
+        return self._call(
+            "POST",
+            UPDATE_FROM_DISK,
+            _given(model_path=model_path, weight_version=weight_version, flush_cache=flush_cache),
+        )
 
-    def init_weights_update_group(self, master_address: str, master_port: int, *, rank_offset: int, world_size: int,
-                                  group_name: str = GROUP_NAME, backend: str = "gloo",
-                                  timeout_s: float = 60.0) -> dict[str, Any]:
+    def init_weights_update_group(
+        self,
+        master_address: str,
+        master_port: int,
+        *,
+        rank_offset: int,
+        world_size: int,
+        group_name: str = GROUP_NAME,
+        backend: str = "gloo",
+        timeout_s: float = 60.0,
+    ) -> dict[str, Any]:
         """Join a broadcast group; blocks until every member has joined (call it off the rendezvous thread)."""
-        return self._call("POST", INIT_GROUP, {
-            "master_address": master_address, "master_port": master_port, "rank_offset": rank_offset,
-            "world_size": world_size, "group_name": group_name, "backend": backend, "timeout_s": timeout_s})
+        return self._call(
+            "POST",
+            INIT_GROUP,
+            {
+                "master_address": master_address,
+                "master_port": master_port,
+                "rank_offset": rank_offset,
+                "world_size": world_size,
+                "group_name": group_name,
+                "backend": backend,
+                "timeout_s": timeout_s,
+            },
+        )
 
-    def update_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]], *,
-                                        group_name: str = GROUP_NAME, weight_version: int | None = None,
-                                        flush_cache: bool | None = None) -> dict[str, Any]:
+    def update_weights_from_distributed(
+        self,
+        names: list[str],
+        dtypes: list[str],
+        shapes: list[list[int]],
+        *,
+        group_name: str = GROUP_NAME,
+        weight_version: int | None = None,
+        flush_cache: bool | None = None,
+    ) -> dict[str, Any]:
         """Receive one bucket over the group, in this order of names; returns once it is applied."""
-        return self._call("POST", UPDATE_FROM_DISTRIBUTED, _given(
-            names=names, dtypes=dtypes, shapes=shapes, group_name=group_name, weight_version=weight_version,
-            flush_cache=flush_cache))
+        return self._call(
+            "POST",
+            UPDATE_FROM_DISTRIBUTED,
+            _given(
+                names=names,
+                dtypes=dtypes,
+                shapes=shapes,
+                group_name=group_name,
+                weight_version=weight_version,
+                flush_cache=flush_cache,
+            ),
+        )
 
     def destroy_weights_update_group(self, group_name: str = GROUP_NAME) -> dict[str, Any]:
         return self._call("POST", DESTROY_GROUP, {"group_name": group_name})
@@ -332,7 +399,7 @@ class EngineControl(_Endpoint):
     def close(self) -> None:
         self._http.close()
 
-    def __enter__(self) -> "EngineControl":
+    def __enter__(self) -> EngineControl:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -46,8 +46,9 @@ def import_path(path: str, key: str = "plug point") -> Any:
         if not hasattr(obj, attr):
             names = [n for n in dir(obj) if not n.startswith("_")]
             hint = difflib.get_close_matches(attr, names, n=1)
-            raise PluginError(key, path, f"{where!r} has no attribute {attr!r}"
-                              + (f"; did you mean {hint[0]!r}?" if hint else ""))
+            raise PluginError(
+                key, path, f"{where!r} has no attribute {attr!r}" + (f"; did you mean {hint[0]!r}?" if hint else "")
+            )
         obj = getattr(obj, attr)
         where = f"{where}:{attr}" if ":" not in where else f"{where}.{attr}"
     return obj

@@ -18,8 +18,6 @@ from pathlib import Path
 
 import httpx
 
-from furlong.core.net import free_port
-
 
 def thread_env(threads: int | None) -> dict[str, str]:
     """Environment that caps a child's math threads, so N processes share the cores instead of fighting."""
@@ -61,11 +59,15 @@ class ManagedProcess:
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 
-    def start(self, timeout_s: float = 120.0) -> "ManagedProcess":
+    def start(self, timeout_s: float = 120.0) -> ManagedProcess:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(
-            self.argv, stdout=log, stderr=subprocess.STDOUT, env=thread_env(self.threads), start_new_session=True,
+            self.argv,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=thread_env(self.threads),
+            start_new_session=True,
             preexec_fn=_die_with_parent,
         )
         log.close()
@@ -139,8 +141,13 @@ def start_reaper(mark: str, session_dir: str) -> None:
     small process in its own session, waiting for EOF on a pipe only this process holds.
     """
     read_end, write_end = os.pipe()  # both non-inheritable: no child keeps the driver "alive"
-    subprocess.Popen([sys.executable, "-c", f"from furlong.core.processes import reap; reap({mark!r}, {session_dir!r})"],
-                     stdin=read_end, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    subprocess.Popen(
+        [sys.executable, "-c", f"from furlong.core.processes import reap; reap({mark!r}, {session_dir!r})"],
+        stdin=read_end,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     os.close(read_end)
     _REAPER_PIPES.append(write_end)
 
@@ -166,7 +173,11 @@ def reap(mark: str, session_dir: str) -> None:
     sys.stdin.buffer.read()
     needle, session_dir = f"{REAPER_MARK}={mark}".encode(), session_dir.rstrip("/") + "/"
     for _ in range(20):  # a dying raylet may still spawn a worker: scan until nothing is left
-        found = [int(p) for p in os.listdir("/proc") if p.isdigit() and int(p) != os.getpid() and _marked(p, needle, session_dir)]
+        found = [
+            int(p)
+            for p in os.listdir("/proc")
+            if p.isdigit() and int(p) != os.getpid() and _marked(p, needle, session_dir)
+        ]
         if not found:
             return
         for pid in found:

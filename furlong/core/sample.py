@@ -110,7 +110,7 @@ class Sample:
         self.token_sources.extend([source] * n)
 
     # ---- checking ------------------------------------------------------
-    def validate(self) -> "Sample":
+    def validate(self) -> Sample:
         """Raise SampleError naming the first field that breaks an invariant."""
         r = self.response_length
         if r < 0 or r > len(self.tokens):
@@ -151,7 +151,7 @@ class Sample:
         return json.dumps(self.to_dict(), ensure_ascii=False)
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "Sample":
+    def from_dict(cls, d: dict[str, Any]) -> Sample:
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(d) - known)
         if unknown:
@@ -161,5 +161,5 @@ class Sample:
         return s
 
     @classmethod
-    def from_json(cls, text: str) -> "Sample":
+    def from_json(cls, text: str) -> Sample:
         return cls.from_dict(json.loads(text))

@@ -27,8 +27,11 @@ class ToolCall:
 
     def openai(self) -> dict[str, Any]:
         """The OpenAI `tool_calls` entry (arguments as a JSON string, as the API sends them)."""
-        return {"id": self.id, "type": "function",
-                "function": {"name": self.name, "arguments": json.dumps(self.arguments, ensure_ascii=False)}}
+        return {
+            "id": self.id,
+            "type": "function",
+            "function": {"name": self.name, "arguments": json.dumps(self.arguments, ensure_ascii=False)},
+        }
 
 
 def parse_tool_calls(text: str) -> tuple[str, list[ToolCall], list[str]]:

@@ -53,20 +53,33 @@ def create_app(run_dir: str | Path, *, follow: bool = False, poll_s: float = 2.0
         return reader().summary() | {"follow": follow, "poll_s": poll_s, "phases": list(PHASES)}
 
     @app.get("/api/metrics")
-    def metrics(names: str | None = Query(None, description="comma-separated metric names; all when absent")) -> dict[str, Any]:
+    def metrics(
+        names: str | None = Query(None, description="comma-separated metric names; all when absent"),
+    ) -> dict[str, Any]:
         return reader().metrics([n for n in names.split(",") if n] if names else None)
 
     @app.get("/api/timeline")
-    def timeline(step_from: int | None = Query(None, ge=-I64, le=I64), step_to: int | None = Query(None, ge=-I64, le=I64), limit: int = Query(20000, ge=1, le=200000)) -> dict[str, Any]:
+    def timeline(
+        step_from: int | None = Query(None, ge=-I64, le=I64),
+        step_to: int | None = Query(None, ge=-I64, le=I64),
+        limit: int = Query(20000, ge=1, le=200000),
+    ) -> dict[str, Any]:
         return reader().timeline(step_from, step_to, limit)
 
     @app.get("/api/samples")
     def samples(
-        step: int | None = Query(None, ge=-I64, le=I64), status: str | None = None,
-        group: int | None = Query(None, ge=-I64, le=I64), q: str | None = None,
-        sort: str = "id", order: str = "asc", limit: int = Query(200, ge=1, le=5000), offset: int = Query(0, ge=0, le=I64),
+        step: int | None = Query(None, ge=-I64, le=I64),
+        status: str | None = None,
+        group: int | None = Query(None, ge=-I64, le=I64),
+        q: str | None = None,
+        sort: str = "id",
+        order: str = "asc",
+        limit: int = Query(200, ge=1, le=5000),
+        offset: int = Query(0, ge=0, le=I64),
     ) -> dict[str, Any]:
-        return reader().samples(step=step, status=status, group=group, q=q, sort=sort, order=order, limit=limit, offset=offset)
+        return reader().samples(
+            step=step, status=status, group=group, q=q, sort=sort, order=order, limit=limit, offset=offset
+        )
 
     @app.get("/api/samples/{sample_id}")
     def sample(sample_id: int = PathParam(ge=-I64, le=I64)) -> dict[str, Any]:
@@ -88,14 +101,23 @@ def create_app(run_dir: str | Path, *, follow: bool = False, poll_s: float = 2.0
     return app
 
 
-def make_server(run_dir: str | Path, *, host: str = "127.0.0.1", port: int = 0, follow: bool = False,
-                poll_s: float = 2.0) -> AppThread:
+def make_server(
+    run_dir: str | Path, *, host: str = "127.0.0.1", port: int = 0, follow: bool = False, poll_s: float = 2.0
+) -> AppThread:
     """The dashboard bound to host:port (its `url` known), not yet serving."""
-    return AppThread(create_app(run_dir, follow=follow, poll_s=poll_s), host, port, name="furlong-dashboard", lifespan="off")
+    return AppThread(
+        create_app(run_dir, follow=follow, poll_s=poll_s), host, port, name="furlong-dashboard", lifespan="off"
+    )
 
 
 def serve_in_thread(
-    run_dir: str | Path, *, host: str = "127.0.0.1", port: int = 0, follow: bool = True, poll_s: float = 2.0, timeout_s: float = 30.0
+    run_dir: str | Path,
+    *,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    follow: bool = True,
+    poll_s: float = 2.0,
+    timeout_s: float = 30.0,
 ) -> AppThread:
     """Start the dashboard in a daemon thread of this process; returns once it answers."""
     return make_server(run_dir, host=host, port=port, follow=follow, poll_s=poll_s).start(timeout_s)

@@ -36,7 +36,9 @@ class TemplateError(ValueError):
     """The chat template cannot render the appended messages as a pure suffix."""
 
 
-def encode_prompt(tokenizer: Any, prompt: str | list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
+def encode_prompt(
+    tokenizer: Any, prompt: str | list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+) -> list[int]:
     """Prompt ids: messages go through the chat template (with a generation prompt), text is encoded as is."""
     if tokenizer is None:
         raise ValueError("encode_prompt: a tokenizer is needed to encode prompts (pass tokenizer= to the manager)")
@@ -48,8 +50,9 @@ def encode_prompt(tokenizer: Any, prompt: str | list[dict[str, Any]], tools: lis
     return [int(t) for t in out]
 
 
-def render(tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
-           generation_prompt: bool) -> str:
+def render(
+    tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, generation_prompt: bool
+) -> str:
     return tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=generation_prompt, tokenize=False)
 
 
@@ -77,13 +80,16 @@ def _delta(tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict[str,
     base = render(tokenizer, DUMMY, tools, False)
     full = render(tokenizer, DUMMY + messages, tools, True)
     if not full.startswith(base):
-        raise TemplateError("the chat template renders appended messages by rewriting earlier ones; "
-                            "this template cannot be continued token-in-token-out")
+        raise TemplateError(
+            "the chat template renders appended messages by rewriting earlier ones; "
+            "this template cannot be continued token-in-token-out"
+        )
     return full[len(base) :]
 
 
-def content_spans(tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
-                  delta: str) -> list[tuple[int, int, Source]]:
+def content_spans(
+    tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, delta: str
+) -> list[tuple[int, int, Source]]:
     """(start, end, source) of each message's content inside `delta`.
 
     Rendered once more with sentinel contents: the text between sentinels is the
@@ -91,8 +97,10 @@ def content_spans(tokenizer: Any, messages: list[dict[str, Any]], tools: list[di
     template that transforms content), the whole delta is attributed to the messages.
     """
     marks = [f"\u2063{i}\u2063" for i in range(len(messages))]
-    marked = [{**m, "content": mark} if isinstance(m.get("content"), str) and m["content"] else m
-              for m, mark in zip(messages, marks)]
+    marked = [
+        {**m, "content": mark} if isinstance(m.get("content"), str) and m["content"] else m
+        for m, mark in zip(messages, marks)
+    ]
     pieces_text = _delta(tokenizer, marked, tools)
     spans, rebuilt, pos = [], [], 0
     for m, mark, shown in zip(messages, marks, marked):
@@ -112,8 +120,13 @@ def content_spans(tokenizer: Any, messages: list[dict[str, Any]], tools: list[di
     return spans
 
 
-def suffix_ids(tokenizer: Any, messages: list[dict[str, Any]], *, tools: list[dict[str, Any]] | None = None,
-               after_output: str | None = None) -> tuple[list[int], list[str]]:
+def suffix_ids(
+    tokenizer: Any,
+    messages: list[dict[str, Any]],
+    *,
+    tools: list[dict[str, Any]] | None = None,
+    after_output: str | None = None,
+) -> tuple[list[int], list[str]]:
     """Ids (and a Source value per id) that continue a conversation with `messages` and a generation prompt.
 
     `after_output` is the decoded text (special tokens kept) of the model turn these
@@ -154,8 +167,13 @@ def assistant_text(tokenizer: Any, message: dict[str, Any], tools: list[dict[str
     return full[len(head) : len(full) - len(close)]
 
 
-def conversation_sample(tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
-                        *, end_token: str = "<|im_end|>") -> Sample:
+def conversation_sample(
+    tokenizer: Any,
+    messages: list[dict[str, Any]],
+    tools: list[dict[str, Any]] | None = None,
+    *,
+    end_token: str = "<|im_end|>",
+) -> Sample:
     """A whole demonstrated conversation as one Sample whose token ids match what a multi-turn rollout produces.
 
     The prompt is everything before the first assistant turn (chat template with a

@@ -197,7 +197,9 @@ def _lookup(record: dict[str, Any], key: str) -> Any:
 class _FieldMap:
     """Turns one raw record into a Prompt, raising DataError naming the field."""
 
-    def __init__(self, prompt_key: str | None, messages_key: str | None, label_key: str | None, metadata_keys: tuple[str, ...]):
+    def __init__(
+        self, prompt_key: str | None, messages_key: str | None, label_key: str | None, metadata_keys: tuple[str, ...]
+    ):
         self.messages = messages_key is not None
         self.prompt_key = messages_key if messages_key is not None else (prompt_key or "prompt")
         self.label_key = label_key
@@ -214,7 +216,9 @@ class _FieldMap:
             if top not in columns:
                 close = difflib.get_close_matches(top, columns, n=1)
                 hint = f" (did you mean {close[0]!r}?)" if close else ""
-                raise DataError(f"{path}: field {key!r}: no such column{hint}; columns: {list(columns)}", path=str(path), field=key)
+                raise DataError(
+                    f"{path}: field {key!r}: no such column{hint}; columns: {list(columns)}", path=str(path), field=key
+                )
 
     def to_prompt(self, index: int, record: Any, path: Path, unit: str, number: int) -> Prompt:
         where = f"{path}:{unit} {number}"
@@ -279,8 +283,13 @@ def _jsonl_records(path: Path, max_line_bytes: int) -> Iterator[tuple[int, Any]]
                 while raw and not raw.endswith(b"\n"):
                     raw = f.readline(1 << 20)
                     size += len(raw) - raw.endswith(b"\n")
-                yield number, DataError(
-                    f"{where}: line is {size} bytes, over max_line_bytes={max_line_bytes}", path=str(path), line=number
+                yield (
+                    number,
+                    DataError(
+                        f"{where}: line is {size} bytes, over max_line_bytes={max_line_bytes}",
+                        path=str(path),
+                        line=number,
+                    ),
                 )
                 continue
             try:
@@ -293,7 +302,10 @@ def _jsonl_records(path: Path, max_line_bytes: int) -> Iterator[tuple[int, Any]]
             try:
                 yield number, json.loads(text)
             except json.JSONDecodeError as e:
-                yield number, DataError(f"{where}: invalid JSON: {e.msg} at column {e.colno}", path=str(path), line=number)
+                yield (
+                    number,
+                    DataError(f"{where}: invalid JSON: {e.msg} at column {e.colno}", path=str(path), line=number),
+                )
 
 
 def _parquet_records(path: Path, mapper: _FieldMap) -> Iterator[tuple[int, Any]]:
@@ -320,7 +332,10 @@ def _hf_records(path: Path, mapper: _FieldMap, split: str | None) -> Iterator[tu
         else:
             builder = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}.get(path.suffix.lower())
             if builder is None:
-                raise DataError(f"{path}: format 'hf' reads a saved dataset directory or a .json/.jsonl/.parquet/.csv file", path=str(path))
+                raise DataError(
+                    f"{path}: format 'hf' reads a saved dataset directory or a .json/.jsonl/.parquet/.csv file",
+                    path=str(path),
+                )
             ds = datasets.load_dataset(builder, data_files=str(path), split="train")
     except DataError:
         raise
@@ -328,10 +343,11 @@ def _hf_records(path: Path, mapper: _FieldMap, split: str | None) -> Iterator[tu
         raise DataError(f"{path}: cannot load with datasets: {type(e).__name__}: {e}", path=str(path)) from e
     if isinstance(ds, datasets.DatasetDict):
         if split is None or split not in ds:
-            raise DataError(f"{path}: holds splits {sorted(ds)}; pass split= one of them (got {split!r})", path=str(path))
+            raise DataError(
+                f"{path}: holds splits {sorted(ds)}; pass split= one of them (got {split!r})", path=str(path)
+            )
         ds = ds[split]
     elif split is not None:
         raise DataError(f"{path}: holds a single dataset, not splits; drop split={split!r}", path=str(path))
     mapper.check_columns(ds.column_names, path)
-    for number, row in enumerate(ds, start=1):
-        yield number, row
+    yield from enumerate(ds, start=1)

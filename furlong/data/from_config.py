@@ -2,44 +2,66 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 from furlong.data.datasets import Dataset, Prompt, load_dataset
 from furlong.data.source import DataSource
 from furlong.data.tasks import get_task
 
+if TYPE_CHECKING:
+    from furlong.config.schema import Config, DataConfig
 
-def _file(cfg: Any, path: str) -> Dataset:
-    d = cfg.data
-    return load_dataset(path, format=None if d.format == "auto" else d.format, prompt_key=None if d.messages_key else d.prompt_key,
-                        messages_key=d.messages_key, label_key=d.label_key, metadata_keys=d.metadata_keys,
-                        on_error=d.on_error)
+
+def _file(d: DataConfig, path: str) -> Dataset:
+    return load_dataset(
+        path,
+        format=None if d.format == "auto" else d.format,
+        prompt_key=None if d.messages_key else d.prompt_key,
+        messages_key=d.messages_key,
+        label_key=d.label_key,
+        metadata_keys=d.metadata_keys,
+        on_error=d.on_error,
+    )
 
 
 def _as_chat(prompts: list[Prompt]) -> list[Prompt]:
-    return [Prompt(p.index, [{"role": "user", "content": p.prompt}], p.label, p.metadata) if isinstance(p.prompt, str) else p
-            for p in prompts]
+    return [
+        Prompt(p.index, [{"role": "user", "content": p.prompt}], p.label, p.metadata)
+        if isinstance(p.prompt, str)
+        else p
+        for p in prompts
+    ]
 
 
-def build_data(cfg: Any) -> tuple[DataSource, list[Prompt]]:
+def build_data(cfg: Config) -> tuple[DataSource, list[Prompt]]:
     """(train DataSource, eval prompts). Synthetic tasks put their name in each prompt's metadata,
-    which is how the default reward finds its scorer."""
+    which is how the default reward finds its scorer.
+
+    Takes the whole config, not only its `data` section: the seed orders the data, and the
+    `rollout.data_source` plug point, when set, replaces the train prompts (it is handed the config).
+    """
     d = cfg.data
     chat = d.apply_chat_template
     if d.path:
-        train = list(_file(cfg, d.path))
+        train = list(_file(d, d.path))
         if chat:
             train = _as_chat(train)
     else:
-        train = list(get_task(d.task).make("train", d.n_train or 20000, seed=cfg.seed, difficulty=d.difficulty, chat=chat))
+        train = list(
+            get_task(d.task).make("train", d.n_train or 20000, seed=cfg.seed, difficulty=d.difficulty, chat=chat)
+        )
     if d.eval_path:
-        evals = list(_file(cfg, d.eval_path))
+        evals = list(_file(d, d.eval_path))
         evals = _as_chat(evals) if chat else evals
     elif d.eval_task or d.task:
-        evals = list(get_task(d.eval_task or d.task).make("eval", d.n_eval, seed=cfg.seed + 1, difficulty=d.difficulty, chat=chat))
+        evals = list(
+            get_task(d.eval_task or d.task).make(
+                "eval", d.n_eval, seed=cfg.seed + 1, difficulty=d.difficulty, chat=chat
+            )
+        )
     else:
         evals = []
-    source = getattr(cfg.rollout, "data_source", None)
+    source = cfg.rollout.data_source
     if source:  # the `rollout.data_source` plug point replaces the train prompts the data section describes
         from furlong.config.registry import load_plugin
 

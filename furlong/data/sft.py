@@ -72,12 +72,23 @@ def sft_source(data: DataConfig, train_source: Any, seed: int) -> Any:
     turns = first.get(key) if isinstance(first, dict) else None
     if isinstance(turns, list) and any(isinstance(m, dict) and m.get("role") == "assistant" for m in turns):
         # Whole conversations: `messages` with the assistant turns (and `tools` when the first line has them).
-        demos = load_dataset(d.sft_path, messages_key=key, label_key=None, on_error=d.on_error,
-                             metadata_keys=["tools"] if "tools" in first else [])
-        return DataSource([Prompt(p.index, p.prompt, None, {**p.metadata, "conversation": True}) for p in demos],
-                          seed=seed)
-    demos = load_dataset(d.sft_path, prompt_key=None if d.messages_key else d.prompt_key, messages_key=d.messages_key,
-                         label_key=d.sft_response_key, on_error=d.on_error)
+        demos = load_dataset(
+            d.sft_path,
+            messages_key=key,
+            label_key=None,
+            on_error=d.on_error,
+            metadata_keys=["tools"] if "tools" in first else [],
+        )
+        return DataSource(
+            [Prompt(p.index, p.prompt, None, {**p.metadata, "conversation": True}) for p in demos], seed=seed
+        )
+    demos = load_dataset(
+        d.sft_path,
+        prompt_key=None if d.messages_key else d.prompt_key,
+        messages_key=d.messages_key,
+        label_key=d.sft_response_key,
+        on_error=d.on_error,
+    )
     prompts = []
     for p in demos:
         as_chat = d.apply_chat_template and isinstance(p.prompt, str)

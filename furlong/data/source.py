@@ -54,7 +54,9 @@ class DataSource:
     prompts (finally none) once the last epoch is spent, and `exhausted` turns true.
     """
 
-    def __init__(self, dataset: Sequence[Prompt], *, seed: int = 0, shuffle: bool = True, num_epochs: int | None = None):
+    def __init__(
+        self, dataset: Sequence[Prompt], *, seed: int = 0, shuffle: bool = True, num_epochs: int | None = None
+    ):
         if len(dataset) == 0:
             raise ValueError("DataSource: the dataset is empty")
         if seed < 0:
@@ -63,7 +65,9 @@ class DataSource:
             raise ValueError(f"DataSource: num_epochs must be >= 1 or None, got {num_epochs}")
         for i, p in enumerate(dataset):
             if p.index != i:
-                raise ValueError(f"DataSource: prompt at position {i} has index {p.index}; indices must be 0..n-1 in order")
+                raise ValueError(
+                    f"DataSource: prompt at position {i} has index {p.index}; indices must be 0..n-1 in order"
+                )
         self.dataset = dataset
         self.seed = int(seed)
         self.shuffle = shuffle
@@ -127,13 +131,22 @@ class DataSource:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        expected = {"version": STATE_VERSION, "seed": self.seed, "shuffle": self.shuffle, "dataset_size": len(self.dataset)}
+        expected = {
+            "version": STATE_VERSION,
+            "seed": self.seed,
+            "shuffle": self.shuffle,
+            "dataset_size": len(self.dataset),
+        }
         for key, value in expected.items():
             if state.get(key) != value:
-                raise ValueError(f"DataSource.load_state_dict: state has {key}={state.get(key)!r}, this source has {value!r}")
+                raise ValueError(
+                    f"DataSource.load_state_dict: state has {key}={state.get(key)!r}, this source has {value!r}"
+                )
         n = len(self.dataset)
         if not 0 <= state["position"] < n or state["epoch"] < 0:
-            raise ValueError(f"DataSource.load_state_dict: epoch={state['epoch']}, position={state['position']} out of range")
+            raise ValueError(
+                f"DataSource.load_state_dict: epoch={state['epoch']}, position={state['position']} out of range"
+            )
         bad = [i for i in state["pending"] if not 0 <= i < n]
         if bad:
             raise ValueError(f"DataSource.load_state_dict: pending index {bad[0]} out of range for {n} prompts")

@@ -198,7 +198,9 @@ class Task:
     question: Callable[[random.Random, int], Question]
     score: Callable[[str, Any], float]
 
-    def make(self, split: str = "train", n: int = 1000, *, seed: int = 0, difficulty: int = 1, chat: bool = False) -> Dataset:
+    def make(
+        self, split: str = "train", n: int = 1000, *, seed: int = 0, difficulty: int = 1, chat: bool = False
+    ) -> Dataset:
         """`n` prompts of `split` ('train' or 'eval'), deterministic in every argument."""
         if split not in SPLITS:
             raise ValueError(f"split must be one of {SPLITS}, got {split!r}")

@@ -20,6 +20,7 @@ the default, or, for a loss-hub plug point, the one `algo.*` names).
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -36,13 +37,14 @@ if TYPE_CHECKING:
     from furlong.train.hooks import TrainerHooks
 
 # Plug points the rollout manager takes as resolved functions (keyword argument -> config key).
-MANAGER_PLUGS = {
+MANAGER_PLUGS = {  # written out: the dotted keys are how tools/schema_readers sees these settings read
     "generate_fn": "rollout.generate_fn",
     "reward_fn": "rollout.reward_fn",
     "group_reward_fn": "rollout.group_reward_fn",
     "dynamic_filter_fn": "rollout.dynamic_filter_fn",
     "sample_filter_fn": "rollout.sample_filter_fn",
     "reward_post_fn": "rollout.reward_post_fn",
+    "eval_fn": "rollout.eval_fn",
 }
 # The trainer's plug points (`TrainerHooks` field -> config key); unset ones stay None: the algorithm's built-ins.
 TRAINER_PLUGS = {
@@ -104,25 +106,67 @@ def topology(cfg: Config, run_dir: Path, model: str, admin_token: str, plugs: di
     """Trainer ranks, engines and router, started and ready (blocking: the driver runs it in a thread)."""
     from furlong.cluster.topology import Topology, TrainerSpec, threads_per_process
 
-    spec = TrainerSpec(model_dir=model, train=cfg.train, algo=cfg.algo, temperature=cfg.rollout.temperature,
-                       seed=cfg.seed, hooks=trainer_hooks(plugs))
+    spec = TrainerSpec(
+        model_dir=model,
+        train=cfg.train,
+        algo=cfg.algo,
+        temperature=cfg.rollout.temperature,
+        seed=cfg.seed,
+        hooks=trainer_hooks(plugs),
+    )
     threads = threads_per_process(cfg.cluster, cfg.train.world_size, cfg.engine.num_engines, cfg.rollout.mode)
-    return Topology.start(cluster=cfg.cluster, engine=cfg.engine, router=cfg.router, trainer=spec, run_dir=run_dir,
-                          admin_token=admin_token, threads=threads)
+    return Topology.start(
+        cluster=cfg.cluster,
+        engine=cfg.engine,
+        router=cfg.router,
+        trainer=spec,
+        run_dir=run_dir,
+        admin_token=admin_token,
+        threads=threads,
+    )
 
 
-def rollout_manager(cfg: Config, source: Any, evals: list[Any], client: EngineClient, tokenizer: Any,
-                    version: WeightVersion, plugs: dict[str, Any]) -> RolloutManager:
+def rollout_manager(
+    cfg: Config,
+    source: Any,
+    evals: list[Any],
+    client: EngineClient,
+    tokenizer: Any,
+    version: WeightVersion,
+    plugs: dict[str, Any],
+) -> RolloutManager:
+    """The manager with every rollout plug point as a function; unset ones None (the manager's built-ins).
+
+    `rollout.agent_fn` (without `rollout.generate_fn`) is run by `furlong.envs.agent.generate`, so the
+    manager, a floor below envs, never imports it; `rollout.buffer` gets its offered `config` bound here.
+    """
     from furlong.rollout.manager import RolloutManager
 
     fns = {arg: plugs[key] for arg, key in MANAGER_PLUGS.items()}
-    return RolloutManager(cfg.rollout, source, client, tokenizer, seed=cfg.seed, eval_prompts=evals, envs=cfg.envs,
-                          weights=version, **fns)
+    if fns["generate_fn"] is None and plugs["rollout.agent_fn"] is not None:  # a black-box agent, on a TITO session
+        from furlong.envs.agent import generate as agent_generate
+
+        fns["generate_fn"] = agent_generate
+    buffer = plugs["rollout.buffer"]
+    if buffer is not None:
+        fns["buffer_factory"] = functools.partial(buffer, config=cfg)
+    return RolloutManager(
+        cfg.rollout, source, client, tokenizer, seed=cfg.seed, eval_prompts=evals, envs=cfg.envs, weights=version, **fns
+    )
 
 
-def supervisor(cfg: Config, top: Topology, admin_token: str, run_dir: Path, version: WeightVersion,
-               note: Any) -> EngineSupervisor:
+def supervisor(
+    cfg: Config, top: Topology, admin_token: str, run_dir: Path, version: WeightVersion, note: Any
+) -> EngineSupervisor:
     from furlong.cluster.supervisor import EngineSupervisor
 
-    return EngineSupervisor(top, router=cfg.router, weights=cfg.weights, pause_mode=cfg.engine.pause_mode,
-                            admin_token=admin_token, run_dir=run_dir, version=version, note=note)
+    return EngineSupervisor(
+        top,
+        router=cfg.router,
+        weights=cfg.weights,
+        pause_mode=cfg.engine.pause_mode,
+        admin_token=admin_token,
+        run_dir=run_dir,
+        version=version,
+        note=note,
+    )

@@ -13,8 +13,9 @@ import contextlib
 import math
 import statistics
 import sys
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from furlong.config.schema import ObserveConfig
@@ -53,8 +54,14 @@ class MetricLog:
     `observe.sinks` plug point by the composition root.
     """
 
-    def __init__(self, run_dir: Path, observe: ObserveConfig, config: dict[str, Any], tokenizer: Any = None,
-                 extra_sinks: list[Any] | None = None):
+    def __init__(
+        self,
+        run_dir: Path,
+        observe: ObserveConfig,
+        config: dict[str, Any],
+        tokenizer: Any = None,
+        extra_sinks: list[Any] | None = None,
+    ):
         from furlong.observe.sinks import build_sinks
         from furlong.observe.store import EventStore
 
@@ -83,8 +90,15 @@ class MetricLog:
         if self.console is not None and self.console.is_terminal:
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-            with Progress(TextColumn(f"[bold]{title}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                          TextColumn("{task.description}"), console=self.console, transient=False) as bar:
+            with Progress(
+                TextColumn(f"[bold]{title}"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TimeElapsedColumn(),
+                TextColumn("{task.description}"),
+                console=self.console,
+                transient=False,
+            ) as bar:
                 task = bar.add_task("", total=total, completed=start)
                 yield lambda text="": bar.update(task, advance=1, description=text)
             return
@@ -96,8 +110,9 @@ class MetricLog:
 
         yield advance
 
-    def step_metrics(self, batch: list[Any], per_opt: list[dict[str, float]], stats: dict[str, Any],
-                     trained_version: int) -> dict[str, float]:
+    def step_metrics(
+        self, batch: list[Any], per_opt: list[dict[str, float]], stats: dict[str, Any], trained_version: int
+    ) -> dict[str, float]:
         """`trained_version`: the policy version the batch was trained on (staleness is measured against it)."""
         out = rollout_metrics(batch, trained_version)
         for k in per_opt[-1] if per_opt else {}:
@@ -115,8 +130,13 @@ class MetricLog:
             v = m.get(key)
             return "-" if v is None or (isinstance(v, float) and math.isnan(v)) else format(v, fmt)
 
-        parts = [f"reward {f('rollout/reward_mean')}", f"loss {f('train/loss')}", f"kl {f('policy/approx_kl', '.4f')}",
-                 f"len {f('rollout/response_len_mean', '.1f')}", f"step {f('time/step_s', '.1f')}s"]
+        parts = [
+            f"reward {f('rollout/reward_mean')}",
+            f"loss {f('train/loss')}",
+            f"kl {f('policy/approx_kl', '.4f')}",
+            f"len {f('rollout/response_len_mean', '.1f')}",
+            f"step {f('time/step_s', '.1f')}s",
+        ]
         if "eval/greedy_accuracy" in m:
             parts.append(f"eval acc {f('eval/greedy_accuracy')}")
         return " | ".join(parts)
@@ -135,8 +155,13 @@ class MetricLog:
         with open(out / f"step_{step}.jsonl", "w") as f:
             for s in batch:
                 f.write(s.to_json() + "\n")
-        self.store.samples(step + 1, batch, train_logprobs=trained.get("train_logprobs"),
-                           advantages=trained.get("advantages"), version=version)
+        self.store.samples(
+            step + 1,
+            batch,
+            train_logprobs=trained.get("train_logprobs"),
+            advantages=trained.get("advantages"),
+            version=version,
+        )
 
     def state_dict(self) -> dict[str, Any]:
         return {"tokens": self.tokens}

@@ -36,12 +36,16 @@ def check_finite(per_opt: list[dict[str, float]], limit: int, step: int, note: C
     skipped = sum(int(m.get("nonfinite/skipped", 0)) for m in per_opt)
     streak = int(per_opt[-1].get("nonfinite/streak", 0)) if per_opt else 0
     if skipped:
-        note(f"warning: RL step {step}: loss or gradient was NaN/inf in {skipped} optimiser step(s); "
-             f"skipped them (weights unchanged), {streak} in a row")
+        note(
+            f"warning: RL step {step}: loss or gradient was NaN/inf in {skipped} optimiser step(s); "
+            f"skipped them (weights unchanged), {streak} in a row"
+        )
     if streak >= limit:
-        raise RunStopped(f"the loss was NaN/inf in {streak} optimiser steps in a row (train.max_nonfinite_steps="
-                         f"{limit}), at RL step {step}; the weights are those of the last finite step. Check the "
-                         "rewards, the learning rate and any loss or before_train_step plug point")
+        raise RunStopped(
+            f"the loss was NaN/inf in {streak} optimiser steps in a row (train.max_nonfinite_steps="
+            f"{limit}), at RL step {step}; the weights are those of the last finite step. Check the "
+            "rewards, the learning rate and any loss or before_train_step plug point"
+        )
 
 
 async def run_with_restarts(run: Any) -> dict[str, Any]:
@@ -62,11 +66,16 @@ async def run_with_restarts(run: Any) -> dict[str, Any]:
             ckpt = latest_checkpoint(run.run_dir)
             where = f"the last complete checkpoint is {ckpt}" if ckpt else "no checkpoint was complete yet"
             if not run.cfg.cluster.auto_restart:
-                raise RunStopped(f"{e}; the run stopped: {where}. Continue it with "
-                                 f"`furlong train --resume {run.run_dir}` (or set cluster.auto_restart=true)") from e
+                raise RunStopped(
+                    f"{e}; the run stopped: {where}. Continue it with "
+                    f"`furlong train --resume {run.run_dir}` (or set cluster.auto_restart=true)"
+                ) from e
             if restarts >= MAX_TRAINER_RESTARTS:
                 raise RunStopped(f"{e}; gave up after {restarts} automatic restarts: {where}") from e
             restarts += 1
-            print(f"furlong {e}; restarting the trainer group from {ckpt or 'step 0'} "
-                  f"(automatic restart {restarts}/{MAX_TRAINER_RESTARTS})", file=sys.stderr)
+            print(
+                f"furlong {e}; restarting the trainer group from {ckpt or 'step 0'} "
+                f"(automatic restart {restarts}/{MAX_TRAINER_RESTARTS})",
+                file=sys.stderr,
+            )
             run = type(run)(run.cfg, resume=True, progress=run.progress)

@@ -31,8 +31,14 @@ from furlong.core.version import WeightVersion
 from furlong.data.sft import sft_samples, sft_source
 from furlong.driver import build
 from furlong.driver.restarts import check_finite
-from furlong.driver.rundir import (admin_token, checkpoint_dir, latest_checkpoint, read_driver_state,
-                                   rotate_checkpoints, write_driver_state)
+from furlong.driver.rundir import (
+    admin_token,
+    checkpoint_dir,
+    latest_checkpoint,
+    read_driver_state,
+    rotate_checkpoints,
+    write_driver_state,
+)
 
 if TYPE_CHECKING:
     from furlong.config.schema import Config
@@ -59,9 +65,14 @@ class Run:
             before = await self.evaluate("before RL") if self.step == 0 else {}
             result = await self.train()
             after = await self.evaluate("after RL")
-            result.update(before=dict(before), after=after, minutes=(time.perf_counter() - t0) / 60,
-                          run_dir=str(self.run_dir), rollout_stats=self.manager.stats(),
-                          supervisor=self.supervisor.stats())
+            result.update(
+                before=dict(before),
+                after=after,
+                minutes=(time.perf_counter() - t0) / 60,
+                run_dir=str(self.run_dir),
+                rollout_stats=self.manager.stats(),
+                supervisor=self.supervisor.stats(),
+            )
             (self.run_dir / "result.json").write_text(json.dumps(result, indent=2, default=str))
             return result
         finally:
@@ -95,14 +106,17 @@ class Run:
 
         cfg = self.cfg
         self.source, self.evals = build_data(cfg)
-        self.log.note(f"starting topology: {cfg.train.world_size} trainer rank(s), {cfg.engine.num_engines} "
-                      f"{cfg.engine.backend} engine(s){' colocated' if cfg.cluster.colocate else ''}, router")
+        self.log.note(
+            f"starting topology: {cfg.train.world_size} trainer rank(s), {cfg.engine.num_engines} "
+            f"{cfg.engine.backend} engine(s){' colocated' if cfg.cluster.colocate else ''}, router"
+        )
         build.start_ray(cfg)
         self.top = await asyncio.to_thread(build.topology, cfg, self.run_dir, self.model_dir, self.token, self.plugs)
         self.trainers = self.top.trainers
         self.client = EngineClient(self.top.router_url, admin_token=self.token)
-        self.manager = build.rollout_manager(cfg, self.source, self.evals, self.client, self.tokenizer, self.version,
-                                             self.plugs)
+        self.manager = build.rollout_manager(
+            cfg, self.source, self.evals, self.client, self.tokenizer, self.version, self.plugs
+        )
         self.supervisor = build.supervisor(cfg, self.top, self.token, self.run_dir, self.version, self.log.note)
         self.supervisor.start()  # engine health, replacement, tolerant syncs
         self.engine_stats = EngineStats(self.top.engine_urls)
@@ -111,8 +125,10 @@ class Run:
         """Pause the engines, push the trainer's weights as `version` (the owner advances), continue."""
         t0 = time.perf_counter()
         report = await self.supervisor.sync_weights(version)
-        return {"weight_sync/seconds": time.perf_counter() - t0,
-                **{f"weight_sync/{k}": v for k, v in report.items() if isinstance(v, (int, float))}}
+        return {
+            "weight_sync/seconds": time.perf_counter() - t0,
+            **{f"weight_sync/{k}": v for k, v in report.items() if isinstance(v, (int, float))},
+        }
 
     # ------------------------------------------------------------------ phases
     async def sft_warmup(self) -> None:
@@ -171,9 +187,14 @@ class Run:
         metrics = self.log.step_metrics(batch, per_opt, self.manager.stats(), step)
         metrics.update(sync)
         metrics.update(await self.engine_stats.poll())
-        metrics.update({"time/rollout_wait_s": t_gen - t0, "time/train_s": t_train - t_gen,
-                        "time/step_s": time.perf_counter() - t0,
-                        "perf/samples_per_s": len(batch) / (time.perf_counter() - t0)})
+        metrics.update(
+            {
+                "time/rollout_wait_s": t_gen - t0,
+                "time/train_s": t_train - t_gen,
+                "time/step_s": time.perf_counter() - t0,
+                "perf/samples_per_s": len(batch) / (time.perf_counter() - t0),
+            }
+        )
         t_eval = time.time()
         ev = await self.manager.maybe_evaluate(step)
         if ev:
@@ -186,8 +207,15 @@ class Run:
         path = checkpoint_dir(self.run_dir, step)
         self.trainers.save(str(path))
         # The rollout state holds the data cursor, the buffer and in-flight partial rollouts.
-        write_driver_state(path, {"step": step, "version": self.version.current,
-                                  "rollout": self.manager.state_dict(), "log": self.log.state_dict()})
+        write_driver_state(
+            path,
+            {
+                "step": step,
+                "version": self.version.current,
+                "rollout": self.manager.state_dict(),
+                "log": self.log.state_dict(),
+            },
+        )
         if self.after_save is not None:
             self.after_save(step, str(path))
         rotate_checkpoints(self.run_dir, self.cfg.train.keep_checkpoints)

@@ -16,14 +16,24 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-cache-mb", type=int, default=256, help="KV cache budget in MiB")
     p.add_argument("--max-running", type=int, default=64, help="most sequences decoded together")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
-    p.add_argument("--max-context", type=int, default=None,
-                   help="most tokens (prompt + output) per request; default: the model's max positions")
-    p.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false",
-                   help="never reuse the KV of a cached prompt prefix (every prompt is computed in full)")
-    p.add_argument("--backend", default="auto", choices=["auto", "native", "hf"],
-                   help="native fast path or generic HF fallback")
-    p.add_argument("--admin-token", default=None,
-                   help="bearer token for control endpoints (default: $FURLONG_ADMIN_TOKEN)")
+    p.add_argument(
+        "--max-context",
+        type=int,
+        default=None,
+        help="most tokens (prompt + output) per request; default: the model's max positions",
+    )
+    p.add_argument(
+        "--no-prefix-cache",
+        dest="prefix_cache",
+        action="store_false",
+        help="never reuse the KV of a cached prompt prefix (every prompt is computed in full)",
+    )
+    p.add_argument(
+        "--backend", default="auto", choices=["auto", "native", "hf"], help="native fast path or generic HF fallback"
+    )
+    p.add_argument(
+        "--admin-token", default=None, help="bearer token for control endpoints (default: $FURLONG_ADMIN_TOKEN)"
+    )
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's choice)")
     p.add_argument("--log-level", default="warning")
     return p
@@ -43,9 +53,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     try:
-        engine = Engine(args.model, dtype=args.dtype, kv_cache_mb=args.kv_cache_mb, max_running=args.max_running,
-                        block_size=args.block_size, backend=args.backend, max_context=args.max_context,
-                        prefix_cache=args.prefix_cache)
+        engine = Engine(
+            args.model,
+            dtype=args.dtype,
+            kv_cache_mb=args.kv_cache_mb,
+            max_running=args.max_running,
+            block_size=args.block_size,
+            backend=args.backend,
+            max_context=args.max_context,
+            prefix_cache=args.prefix_cache,
+        )
     except ValueError as e:
         parser().error(str(e))
     engine.start()

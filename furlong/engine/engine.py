@@ -20,9 +20,10 @@ import queue
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import Future
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -46,8 +47,10 @@ def context_window(model_positions: int, max_context: int | None) -> int:
     if max_context < 1:
         raise ValueError(f"engine.max_context (--max-context): must be >= 1, got {max_context}")
     if max_context > model_positions:
-        raise ValueError(f"engine.max_context (--max-context): {max_context} exceeds the model's "
-                         f"{model_positions} max positions (max_position_embeddings)")
+        raise ValueError(
+            f"engine.max_context (--max-context): {max_context} exceeds the model's "
+            f"{model_positions} max positions (max_position_embeddings)"
+        )
     return max_context
 
 
@@ -82,7 +85,14 @@ class Engine:
         self.vocab_size = cfg.vocab_size
         self.max_context = context_window(int(getattr(cfg, "max_position_embeddings", 2048)), max_context)
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        bytes_per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * torch.finfo(getattr(torch, dtype)).bits // 8
+        bytes_per_token = (
+            2
+            * cfg.num_hidden_layers
+            * cfg.num_key_value_heads
+            * head_dim
+            * torch.finfo(getattr(torch, dtype)).bits
+            // 8
+        )
         num_blocks = int(kv_cache_mb * 2**20 // (bytes_per_token * block_size))
         self.pool = BlockPool(num_blocks, block_size, prefix_cache=prefix_cache)
         self.model = build_model(self.hf, num_blocks, block_size, backend)
@@ -96,8 +106,16 @@ class Engine:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.paused: str | None = None
-        self.stats = {"requests_total": 0, "finished_total": 0, "aborted_total": 0, "prompt_tokens_total": 0,
-                      "generation_tokens_total": 0, "preemptions_total": 0, "steps_total": 0, "weight_updates_total": 0}
+        self.stats = {
+            "requests_total": 0,
+            "finished_total": 0,
+            "aborted_total": 0,
+            "prompt_tokens_total": 0,
+            "generation_tokens_total": 0,
+            "preemptions_total": 0,
+            "steps_total": 0,
+            "weight_updates_total": 0,
+        }
         self._commands: queue.Queue[tuple[Callable[[], Any], Future]] = queue.Queue()
         self._serial = 0  # numbers requests, so the model can tell its decoding set did not change
         self._stop = False
@@ -108,7 +126,7 @@ class Engine:
     def kv_capacity_tokens(self) -> int:
         return self.pool.num_blocks * self.pool.block_size
 
-    def start(self) -> "Engine":
+    def start(self) -> Engine:
         self._thread = threading.Thread(target=self._loop, name="furlong-scheduler", daemon=True)
         self._thread.start()
         return self
@@ -276,7 +294,13 @@ class Engine:
                 if not decode and not prefill and not self.running:
                     # Nothing else holds memory: the request can never fit.
                     self.waiting.popleft()
-                    self._finish(r, {"type": "abort", "message": f"needs {len(toks)} KV slots; cache holds {self.kv_capacity_tokens}"})
+                    self._finish(
+                        r,
+                        {
+                            "type": "abort",
+                            "message": f"needs {len(toks)} KV slots; cache holds {self.kv_capacity_tokens}",
+                        },
+                    )
                     continue
                 self.pool.release(r.blocks)
                 r.blocks, r.hashes, r.n_cached = [], [], 0
@@ -333,10 +357,17 @@ class Engine:
         if getattr(self.model, "needs_tokens", False):
             seqs = [r.tokens for r in decode + prefill]
         batch = Batch(
-            input_ids=torch.tensor(ids), positions=torch.tensor(pos), write_slots=torch.cat(write),
-            n_decode=D, decode_blocks=decode_blocks, decode_lens=lens, prefills=prefills,
+            input_ids=torch.tensor(ids),
+            positions=torch.tensor(pos),
+            write_slots=torch.cat(write),
+            n_decode=D,
+            decode_blocks=decode_blocks,
+            decode_lens=lens,
+            prefills=prefills,
             decode_keys=tuple(r.serial for r in decode),
-            logit_rows=torch.tensor(rows), token_seq=seq_of, seq_tokens=seqs,
+            logit_rows=torch.tensor(rows),
+            token_seq=seq_of,
+            seq_tokens=seqs,
             want_routes=any(r.return_routed_experts for r in decode + prefill),
         )
         # last_rows indexes into the logits matrix: decode rows first, then each prefill's last row.

@@ -28,8 +28,14 @@ MAX_BODY_BYTES = 64 * 2**20  # a request body above this is refused (413) before
 def error(status: int, message: str, param: str | None = None) -> JSONResponse:
     """An error body both OpenAI clients (`error.message`) and SGLang-style clients (`success`, `message`) read."""
     kind = "BadRequestError" if status == 400 else "UnauthorizedError" if status == 401 else "InternalServerError"
-    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": status},
-                         "success": False, "message": message}, status_code=status)
+    return JSONResponse(
+        {
+            "error": {"message": message, "type": kind, "param": param, "code": status},
+            "success": False,
+            "message": message,
+        },
+        status_code=status,
+    )
 
 
 async def body_of(request: HTTPRequest) -> Any:

@@ -23,18 +23,44 @@ from furlong.core.processes import furlong_argv
 BACKENDS = ("builtin", "sglang")
 
 
-def engine_argv(backend: str, *, model_dir: str, host: str, port: int, dtype: str, kv_cache_mb: int,
-                max_running: int, max_context: int | None, prefix_cache: bool, threads: int,
-                admin_token: str) -> list[str]:
+def engine_argv(
+    backend: str,
+    *,
+    model_dir: str,
+    host: str,
+    port: int,
+    dtype: str,
+    kv_cache_mb: int,
+    max_running: int,
+    max_context: int | None,
+    prefix_cache: bool,
+    threads: int,
+    admin_token: str,
+) -> list[str]:
     """The argv that starts one engine server of `backend` with the run's engine settings.
 
     ValueError naming `engine.backend` for an unknown backend, and (sglang) naming the setting
     SGLang cannot honour, e.g. a `max_context` over the model's positions.
     """
     if backend == "builtin":
-        argv = furlong_argv("serve", "--model", str(model_dir), "--host", host, "--port", str(port),
-                            "--dtype", dtype, "--kv-cache-mb", str(kv_cache_mb), "--max-running", str(max_running),
-                            f"--admin-token={admin_token}", "--threads", str(threads))
+        argv = furlong_argv(
+            "serve",
+            "--model",
+            str(model_dir),
+            "--host",
+            host,
+            "--port",
+            str(port),
+            "--dtype",
+            dtype,
+            "--kv-cache-mb",
+            str(kv_cache_mb),
+            "--max-running",
+            str(max_running),
+            f"--admin-token={admin_token}",
+            "--threads",
+            str(threads),
+        )
         if max_context is not None:
             argv += ["--max-context", str(max_context)]
         if not prefix_cache:
@@ -43,8 +69,16 @@ def engine_argv(backend: str, *, model_dir: str, host: str, port: int, dtype: st
     if backend == "sglang":
         from furlong.engine import sglang
 
-        cfg = sglang.config_for(model_dir=str(model_dir), host=host, port=port, dtype=dtype, kv_cache_mb=kv_cache_mb,
-                                max_running=max_running, max_context=max_context, prefix_cache=prefix_cache)
+        cfg = sglang.config_for(
+            model_dir=str(model_dir),
+            host=host,
+            port=port,
+            dtype=dtype,
+            kv_cache_mb=kv_cache_mb,
+            max_running=max_running,
+            max_context=max_context,
+            prefix_cache=prefix_cache,
+        )
         return sglang.build_command(cfg, admin_token)
     raise ValueError(f"engine.backend: unknown backend {backend!r}; choose one of {list(BACKENDS)}")
 

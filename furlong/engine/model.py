@@ -15,8 +15,8 @@ HF forward over the whole padded sequences each step; no KV pool is used.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -51,7 +51,9 @@ def pick_linear(dtype: torch.dtype) -> tuple[Callable[..., torch.Tensor], Callab
         return F.linear, lambda w: w
     try:
         x, w, b = (torch.randn(*s).to(dtype) for s in ((5, 16), (8, 16), (8,)))
-        if torch.allclose(_onednn_linear(x, _onednn_pack(w), b).float(), F.linear(x, w, b).float(), atol=1e-2, rtol=1e-2):
+        if torch.allclose(
+            _onednn_linear(x, _onednn_pack(w), b).float(), F.linear(x, w, b).float(), atol=1e-2, rtol=1e-2
+        ):
             return _onednn_linear, _onednn_pack
     except (RuntimeError, NotImplementedError, AttributeError):
         pass
@@ -139,8 +141,8 @@ class NativeModel:
         self.linear, self._pack = pick_linear(dtype)
         # Dense weights by key ("3.qkv", "lm_head", ...): (source tensor, the HF parameters it reads).
         self.sources: dict[str, tuple[torch.Tensor, list[torch.Tensor]]] = {}
-        for li, l in enumerate(self.layers):
-            at, mlp = l.self_attn, l.mlp
+        for li, layer in enumerate(self.layers):
+            at, mlp = layer.self_attn, layer.mlp
             self._add(f"{li}.qkv", _fuse(at.q_proj, at.k_proj, at.v_proj), [at.q_proj, at.k_proj, at.v_proj])
             self._add(f"{li}.o", at.o_proj.weight, [at.o_proj])
             if hasattr(mlp, "gate_proj"):
@@ -205,8 +207,12 @@ class NativeModel:
         # multiplied (by a zero weight), and uninitialised memory may hold NaN.
         shape = (len(lens), self.n_kv, L + max(L, 64), self.head_dim)
         dtype = self.k_pool[0].dtype
-        return DecodeKV(b.decode_keys, lens, [torch.zeros(shape, dtype=dtype) for _ in self.layers],
-                        [torch.zeros(shape, dtype=dtype) for _ in self.layers]), True
+        return DecodeKV(
+            b.decode_keys,
+            lens,
+            [torch.zeros(shape, dtype=dtype) for _ in self.layers],
+            [torch.zeros(shape, dtype=dtype) for _ in self.layers],
+        ), True
 
     def _prefill_plan(self, b: Batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
         """Pad every fresh (no cached prefix) prompt chunk into one [P, Lmax] batch for one attention call.
@@ -231,7 +237,10 @@ class NativeModel:
         x = m.embed_tokens(b.input_ids)
         cos, sin = m.rotary_emb(x[None], b.positions[None])
         half = self.head_dim // 2
-        cos, sin = cos[0, :, None, :], torch.cat((-sin[0, :, None, :half], sin[0, :, None, half:]), dim=-1)  # [T, 1, hd]
+        cos, sin = (
+            cos[0, :, None, :],
+            torch.cat((-sin[0, :, None, :half], sin[0, :, None, half:]), dim=-1),
+        )  # [T, 1, hd]
         T = x.shape[0]
         D, g, hd = b.n_decode, self.n_heads // self.n_kv, self.head_dim
         nq, nk = self.n_heads * hd, self.n_kv * hd
@@ -242,7 +251,8 @@ class NativeModel:
         if D:
             L = int(b.decode_lens.max())
             dmask = torch.zeros(D, 1, 1, L, dtype=x.dtype).masked_fill_(
-                (torch.arange(L)[None, :] >= b.decode_lens[:, None])[:, None, None, :], float("-inf"))
+                (torch.arange(L)[None, :] >= b.decode_lens[:, None])[:, None, None, :], float("-inf")
+            )
             rows, last = torch.arange(D), b.decode_lens - 1
         plan = self._prefill_plan(b)
         routes = []

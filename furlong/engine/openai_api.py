@@ -68,9 +68,10 @@ class OpenAIRoutes:
             t = req.output_ids[i]
             s = self.token_str(t, as_ids)
             entry = {"token": s, "logprob": req.output_logprobs[i], "bytes": list(s.encode())}
-            entry["top_logprobs"] = [{"token": self.token_str(tt, as_ids), "logprob": lp,
-                                      "bytes": list(self.token_str(tt, as_ids).encode())}
-                                     for lp, tt in (req.output_top_logprobs[i] if top else [])]
+            entry["top_logprobs"] = [
+                {"token": self.token_str(tt, as_ids), "logprob": lp, "bytes": list(self.token_str(tt, as_ids).encode())}
+                for lp, tt in (req.output_top_logprobs[i] if top else [])
+            ]
             content.append(entry)
         return {"content": content}
 
@@ -79,24 +80,34 @@ class OpenAIRoutes:
         V.check_stop_ids(body.stop_token_ids, "stop_token_ids", engine.vocab_size)
         room = engine.max_context - prompt_len
         if max_tokens is not None and max_tokens > room:
-            raise P.BadRequest("max_tokens", f"{max_tokens} exceeds the {room} tokens left in the "
-                                             f"{engine.max_context}-token context")
+            raise P.BadRequest(
+                "max_tokens", f"{max_tokens} exceeds the {room} tokens left in the {engine.max_context}-token context"
+            )
         return P.SamplingParamsIn(
             max_new_tokens=max_tokens if max_tokens is not None else room,
             temperature=1.0 if body.temperature is None else body.temperature,
-            top_p=1.0 if body.top_p is None else body.top_p, top_k=-1 if body.top_k is None else body.top_k,
-            min_p=body.min_p or 0.0, stop=body.stop, stop_token_ids=body.stop_token_ids, ignore_eos=body.ignore_eos,
-            skip_special_tokens=body.skip_special_tokens, seed=body.seed)
+            top_p=1.0 if body.top_p is None else body.top_p,
+            top_k=-1 if body.top_k is None else body.top_k,
+            min_p=body.min_p or 0.0,
+            stop=body.stop,
+            stop_token_ids=body.stop_token_ids,
+            ignore_eos=body.ignore_eos,
+            skip_special_tokens=body.skip_special_tokens,
+            seed=body.seed,
+        )
 
-    def requests(self, prompt: list[int], field: str, body: P.OpenAICommon, sp: P.SamplingParamsIn,
-                 top: int) -> list[Request]:
+    def requests(
+        self, prompt: list[int], field: str, body: P.OpenAICommon, sp: P.SamplingParamsIn, top: int
+    ) -> list[Request]:
         engine = self.engine
-        V.check_prompt(prompt, field, vocab=engine.vocab_size, max_context=engine.max_context,
-                       kv_tokens=engine.kv_capacity_tokens)
+        V.check_prompt(
+            prompt, field, vocab=engine.vocab_size, max_context=engine.max_context, kv_tokens=engine.kv_capacity_tokens
+        )
         out = []
         for j in range(body.n):
-            params = V.to_sampling(sp, prompt_len=len(prompt), max_context=engine.max_context,
-                                   default_max=sp.max_new_tokens)
+            params = V.to_sampling(
+                sp, prompt_len=len(prompt), max_context=engine.max_context, default_max=sp.max_new_tokens
+            )
             if params.seed is not None:
                 params.seed += j  # n samples of one seeded request differ, yet the request is reproducible
             kw = {"rid": f"{body.rid}-{j}" if body.n > 1 else body.rid} if body.rid else {}
@@ -115,8 +126,18 @@ class OpenAIRoutes:
 
     # ------------------------------------------------------------------ /v1/models
     async def models(self):
-        return {"object": "list", "data": [{"id": self.name, "object": "model", "created": 0, "owned_by": "furlong",
-                                            "max_model_len": self.engine.max_context}]}
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": self.name,
+                    "object": "model",
+                    "created": 0,
+                    "owned_by": "furlong",
+                    "max_model_len": self.engine.max_context,
+                }
+            ],
+        }
 
     # ------------------------------------------------------------------ /v1/chat/completions
     def chat_prompt(self, body: P.ChatIn) -> list[int]:
@@ -131,8 +152,13 @@ class OpenAIRoutes:
             tools = [t.get("function", t) for t in body.tools]
         try:
             ids = self.tok.apply_chat_template(
-                msgs, tools=tools, add_generation_prompt=body.add_generation_prompt and not body.continue_final_message,
-                tokenize=True, return_dict=False, **(body.chat_template_kwargs or {}))
+                msgs,
+                tools=tools,
+                add_generation_prompt=body.add_generation_prompt and not body.continue_final_message,
+                tokenize=True,
+                return_dict=False,
+                **(body.chat_template_kwargs or {}),
+            )
         except Exception as e:  # a template error is the client's messages' fault
             raise P.BadRequest("messages", f"chat template failed: {e}") from None
         return list(ids["input_ids"] if isinstance(ids, dict) else ids)
@@ -146,12 +172,19 @@ class OpenAIRoutes:
         use_tools = bool(body.tools) and body.tool_choice != "none"
         cid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         if body.stream:
-            return StreamingResponse(self.stream_chat(body, reqs, cid, created, use_tools, prompt),
-                                     media_type="text/event-stream")
+            return StreamingResponse(
+                self.stream_chat(body, reqs, cid, created, use_tools, prompt), media_type="text/event-stream"
+            )
         await asyncio.gather(*(finished(self.engine, r) for r in reqs))
         choices = [self.chat_choice(body, i, r, use_tools) for i, r in enumerate(reqs)]
-        resp = {"id": cid, "object": "chat.completion", "created": created, "model": body.model or self.name,
-                "choices": choices, "usage": self.usage(prompt, reqs)}
+        resp = {
+            "id": cid,
+            "object": "chat.completion",
+            "created": created,
+            "model": body.model or self.name,
+            "choices": choices,
+            "usage": self.usage(prompt, reqs),
+        }
         if body.return_token_ids:
             resp["prompt_token_ids"] = prompt
         return JSONResponse(resp)
@@ -164,22 +197,34 @@ class OpenAIRoutes:
             msg["tool_calls"] = calls
         logprobs = None
         if body.logprobs:
-            logprobs = self.chat_logprobs(r, 0, len(r.output_ids), body.top_logprobs or 0,
-                                          body.return_tokens_as_token_ids)
-        choice: dict[str, Any] = {"index": i, "message": msg, "finish_reason": _finish(r, bool(calls)),
-                                  "logprobs": logprobs}
+            logprobs = self.chat_logprobs(
+                r, 0, len(r.output_ids), body.top_logprobs or 0, body.return_tokens_as_token_ids
+            )
+        choice: dict[str, Any] = {
+            "index": i,
+            "message": msg,
+            "finish_reason": _finish(r, bool(calls)),
+            "logprobs": logprobs,
+        }
         if body.return_token_ids:
             choice["token_ids"] = list(r.output_ids)
         version = r.output_versions[-1] if r.output_versions else self.engine.weight_version
         choice["meta_info"] = {"weight_version": version, "output_token_versions": list(r.output_versions)}
         return choice
 
-    async def stream_chat(self, body: P.ChatIn, reqs: list[Request], cid: str, created: int, use_tools: bool,
-                          prompt: list[int]) -> AsyncIterator[str]:
+    async def stream_chat(
+        self, body: P.ChatIn, reqs: list[Request], cid: str, created: int, use_tools: bool, prompt: list[int]
+    ) -> AsyncIterator[str]:
         def chunk(i: int, delta: dict, finish: str | None = None, **extra) -> str:
-            return sse({"id": cid, "object": "chat.completion.chunk", "created": created,
-                        "model": body.model or self.name,
-                        "choices": [{"index": i, "delta": delta, "finish_reason": finish, **extra}]})
+            return sse(
+                {
+                    "id": cid,
+                    "object": "chat.completion.chunk",
+                    "created": created,
+                    "model": body.model or self.name,
+                    "choices": [{"index": i, "delta": delta, "finish_reason": finish, **extra}],
+                }
+            )
 
         queue: asyncio.Queue = asyncio.Queue()
 
@@ -206,8 +251,9 @@ class OpenAIRoutes:
                 delta_txt = text[len(sent_txt[i]) :] if text.startswith(sent_txt[i]) else ""
                 extra = {}
                 if body.logprobs and n > sent_tok[i]:
-                    extra["logprobs"] = self.chat_logprobs(r, sent_tok[i], n, body.top_logprobs or 0,
-                                                           body.return_tokens_as_token_ids)
+                    extra["logprobs"] = self.chat_logprobs(
+                        r, sent_tok[i], n, body.top_logprobs or 0, body.return_tokens_as_token_ids
+                    )
                 if body.return_token_ids:
                     extra["token_ids"] = r.output_ids[sent_tok[i] : n]
                 if delta_txt or extra:
@@ -221,8 +267,16 @@ class OpenAIRoutes:
                         yield chunk(i, {"tool_calls": [{"index": k, **c} for k, c in enumerate(calls)]})
                     yield chunk(i, {}, _finish(r, bool(calls)))
             if (body.stream_options or {}).get("include_usage"):
-                yield sse({"id": cid, "object": "chat.completion.chunk", "created": created,
-                           "model": body.model or self.name, "choices": [], "usage": self.usage(prompt, reqs)})
+                yield sse(
+                    {
+                        "id": cid,
+                        "object": "chat.completion.chunk",
+                        "created": created,
+                        "model": body.model or self.name,
+                        "choices": [],
+                        "usage": self.usage(prompt, reqs),
+                    }
+                )
             yield "data: [DONE]\n\n"
         finally:
             for t in tasks:
@@ -259,24 +313,36 @@ class OpenAIRoutes:
         if body.stream:
             if len(reqs) > 1:
                 raise P.BadRequest("stream", "streaming supports one prompt with n=1")
-            return StreamingResponse(self.stream_completion(body, reqs[0], cid, created),
-                                     media_type="text/event-stream")
+            return StreamingResponse(
+                self.stream_completion(body, reqs[0], cid, created), media_type="text/event-stream"
+            )
         await asyncio.gather(*(finished(self.engine, r) for r in reqs))
         choices = []
         for i, (r, k) in enumerate(zip(reqs, owners)):
             logprobs = None
             if body.logprobs is not None:
                 logprobs = self.completion_logprobs(r, 0, len(r.output_ids), top, body)
-            choice: dict[str, Any] = {"index": i, "text": self.engine.result(r)["text"], "finish_reason": _finish(r),
-                                      "logprobs": logprobs}
+            choice: dict[str, Any] = {
+                "index": i,
+                "text": self.engine.result(r)["text"],
+                "finish_reason": _finish(r),
+                "logprobs": logprobs,
+            }
             if body.return_token_ids:
                 choice["prompt_token_ids"], choice["token_ids"] = prompts[k], list(r.output_ids)
             choices.append(choice)
         c = sum(len(r.output_ids) for r in reqs)
         ptoks = sum(len(x) for x in prompts)
-        return JSONResponse({"id": cid, "object": "text_completion", "created": created,
-                             "model": body.model or self.name, "choices": choices,
-                             "usage": {"prompt_tokens": ptoks, "completion_tokens": c, "total_tokens": ptoks + c}})
+        return JSONResponse(
+            {
+                "id": cid,
+                "object": "text_completion",
+                "created": created,
+                "model": body.model or self.name,
+                "choices": choices,
+                "usage": {"prompt_tokens": ptoks, "completion_tokens": c, "total_tokens": ptoks + c},
+            }
+        )
 
     def completion_logprobs(self, r: Request, lo: int, hi: int, top: int, body: P.CompletionIn) -> dict[str, Any]:
         as_ids = body.return_tokens_as_token_ids
@@ -284,8 +350,12 @@ class OpenAIRoutes:
         tops = None
         if top:
             tops = [{self.token_str(t, as_ids): lp for lp, t in r.output_top_logprobs[i]} for i in range(lo, hi)]
-        return {"tokens": [self.token_str(t, as_ids) for t in ids], "token_logprobs": r.output_logprobs[lo:hi],
-                "top_logprobs": tops, "text_offset": []}
+        return {
+            "tokens": [self.token_str(t, as_ids) for t in ids],
+            "token_logprobs": r.output_logprobs[lo:hi],
+            "top_logprobs": tops,
+            "text_offset": [],
+        }
 
     async def stream_completion(self, body: P.CompletionIn, r: Request, cid: str, created: int) -> AsyncIterator[str]:
         sent_tok, sent_txt = 0, ""
@@ -297,12 +367,23 @@ class OpenAIRoutes:
             logprobs = None
             if body.logprobs is not None:
                 logprobs = self.completion_logprobs(r, sent_tok, n, body.logprobs or 0, body)
-            choice: dict[str, Any] = {"index": 0, "text": delta, "finish_reason": _finish(r) if fin else None,
-                                      "logprobs": logprobs}
+            choice: dict[str, Any] = {
+                "index": 0,
+                "text": delta,
+                "finish_reason": _finish(r) if fin else None,
+                "logprobs": logprobs,
+            }
             if body.return_token_ids:
                 choice["token_ids"] = r.output_ids[sent_tok:n]
-            yield sse({"id": cid, "object": "text_completion", "created": created, "model": body.model or self.name,
-                       "choices": [choice]})
+            yield sse(
+                {
+                    "id": cid,
+                    "object": "text_completion",
+                    "created": created,
+                    "model": body.model or self.name,
+                    "choices": [choice],
+                }
+            )
             sent_txt = text if delta else sent_txt
             sent_tok = n
         yield "data: [DONE]\n\n"

@@ -11,8 +11,9 @@ from __future__ import annotations
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 from furlong.engine.sampler import SamplingParams
 
@@ -28,7 +29,7 @@ class Request:
     return_routed_experts: bool = False
     stream: bool = False
     # Called from the scheduler thread: (request, n_new_tokens, finished). Must not block.
-    listener: Callable[["Request", int, bool], None] | None = None
+    listener: Callable[[Request, int, bool], None] | None = None
 
     # ---- state owned by the scheduler thread ----
     output_ids: list[int] = field(default_factory=list)

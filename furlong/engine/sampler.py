@@ -46,7 +46,9 @@ class SamplingParams:
         return g
 
 
-def sample(logits: torch.Tensor, params: list[SamplingParams], gens: list[torch.Generator | None]) -> tuple[list[int], torch.Tensor]:
+def sample(
+    logits: torch.Tensor, params: list[SamplingParams], gens: list[torch.Generator | None]
+) -> tuple[list[int], torch.Tensor]:
     """Draw one token per row; returns (token ids, raw log-probs [B, V])."""
     logprobs = torch.log_softmax(logits, dim=-1)
     tokens = logits.argmax(dim=-1)

@@ -62,8 +62,9 @@ def add_guards(app: FastAPI, admin_token: str | None) -> None:
         if admin_token and request.url.path in CONTROL_PATHS:
             given = request.headers.get("authorization", "")
             if not hmac.compare_digest(given.encode(), f"Bearer {admin_token}".encode()):
-                return error(401, "control endpoint: missing or wrong admin token (Authorization: Bearer ...)",
-                             "Authorization")
+                return error(
+                    401, "control endpoint: missing or wrong admin token (Authorization: Bearer ...)", "Authorization"
+                )
         try:
             return await call_next(request)
         except Exception as e:  # one bad request never takes the server down
@@ -82,16 +83,26 @@ def add_guards(app: FastAPI, admin_token: str | None) -> None:
 def add_generation_routes(app: FastAPI, engine: Engine) -> None:
     """`POST /generate`: SGLang's native generation, one prompt or a batch, whole or streamed."""
 
-    def build(prompt: list[int], field: str, body: P.GenerateIn, sp: P.SamplingParamsIn | None,
-              rid: str | None) -> Request:
-        V.check_prompt(prompt, field, vocab=engine.vocab_size, max_context=engine.max_context,
-                       kv_tokens=engine.kv_capacity_tokens)
+    def build(
+        prompt: list[int], field: str, body: P.GenerateIn, sp: P.SamplingParamsIn | None, rid: str | None
+    ) -> Request:
+        V.check_prompt(
+            prompt, field, vocab=engine.vocab_size, max_context=engine.max_context, kv_tokens=engine.kv_capacity_tokens
+        )
         V.check_stop_ids(sp.stop_token_ids if sp else None, "sampling_params.stop_token_ids", engine.vocab_size)
-        params = V.to_sampling(sp, prompt_len=len(prompt), max_context=engine.max_context,
-                               default_max=DEFAULT_MAX_NEW_TOKENS)
+        params = V.to_sampling(
+            sp, prompt_len=len(prompt), max_context=engine.max_context, default_max=DEFAULT_MAX_NEW_TOKENS
+        )
         kw = {"rid": rid} if rid else {}
-        return Request(prompt, params, return_logprob=body.return_logprob, logprob_start_len=body.logprob_start_len,
-                       top_logprobs_num=body.top_logprobs_num, return_routed_experts=body.return_routed_experts, **kw)
+        return Request(
+            prompt,
+            params,
+            return_logprob=body.return_logprob,
+            logprob_start_len=body.logprob_start_len,
+            top_logprobs_num=body.top_logprobs_num,
+            return_routed_experts=body.return_routed_experts,
+            **kw,
+        )
 
     def generate_requests(body: P.GenerateIn) -> tuple[list[Request], bool]:
         if body.lora_path:
@@ -139,9 +150,11 @@ def add_generation_routes(app: FastAPI, engine: Engine) -> None:
             if fin:
                 out = engine.result(req)
             else:
-                out = {"text": engine.decode(req.output_ids[:n], req.params.skip_special_tokens),
-                       "output_ids": req.output_ids[:n],
-                       "meta_info": {"id": req.rid, "finish_reason": None, "completion_tokens": n}}
+                out = {
+                    "text": engine.decode(req.output_ids[:n], req.params.skip_special_tokens),
+                    "output_ids": req.output_ids[:n],
+                    "meta_info": {"id": req.rid, "finish_reason": None, "completion_tokens": n},
+                }
             yield sse(out)
         yield "data: [DONE]\n\n"
 
@@ -154,8 +167,13 @@ def add_tokenizer_routes(app: FastAPI, engine: Engine) -> None:
         body = P.parse(P.TokenizeIn, await body_of(request))
         if body.messages is not None:
             msgs = [m.model_dump(exclude_none=True) for m in body.messages]
-            ids = engine.tokenizer.apply_chat_template(msgs, tools=body.tools, tokenize=True, return_dict=False,
-                                                       add_generation_prompt=body.add_generation_prompt)
+            ids = engine.tokenizer.apply_chat_template(
+                msgs,
+                tools=body.tools,
+                tokenize=True,
+                return_dict=False,
+                add_generation_prompt=body.add_generation_prompt,
+            )
         else:
             text = body.prompt if body.prompt is not None else body.text
             if text is None:
@@ -181,30 +199,46 @@ def add_info_routes(app: FastAPI, engine: Engine) -> None:
 
     @app.get(P.HEALTH_GENERATE)
     async def health_generate():
-        sp = V.to_sampling(P.SamplingParamsIn(max_new_tokens=1), prompt_len=1, max_context=engine.max_context,
-                           default_max=1)
+        sp = V.to_sampling(
+            P.SamplingParamsIn(max_new_tokens=1), prompt_len=1, max_context=engine.max_context, default_max=1
+        )
         req = Request([engine.eos_ids and min(engine.eos_ids) or 0], sp)
         await asyncio.wait_for(finished(engine, req), timeout=60)
         return {"status": "ok", "weight_version": engine.weight_version}
 
     def model_info() -> dict[str, Any]:
-        return {"model_path": engine.model_path, "tokenizer_path": engine.model_path, "is_generation": True,
-                "architecture": engine.hf.config.model_type, "backend": engine.backend, "dtype": engine.dtype,
-                "max_context": engine.max_context, "vocab_size": engine.vocab_size,
-                "weight_version": engine.weight_version, "kv_cache_tokens": engine.kv_capacity_tokens,
-                "max_running": engine.max_running, "is_moe": engine.model.is_moe}
+        return {
+            "model_path": engine.model_path,
+            "tokenizer_path": engine.model_path,
+            "is_generation": True,
+            "architecture": engine.hf.config.model_type,
+            "backend": engine.backend,
+            "dtype": engine.dtype,
+            "max_context": engine.max_context,
+            "vocab_size": engine.vocab_size,
+            "weight_version": engine.weight_version,
+            "kv_cache_tokens": engine.kv_capacity_tokens,
+            "max_running": engine.max_running,
+            "is_moe": engine.model.is_moe,
+        }
 
     app.get(P.MODEL_INFO)(model_info)
-    app.get(P.SERVER_INFO)(lambda: {**model_info(), "paused": engine.paused,
-                                    "uptime_s": time.time() - app.state.started})
+    app.get(P.SERVER_INFO)(
+        lambda: {**model_info(), "paused": engine.paused, "uptime_s": time.time() - app.state.started}
+    )
     app.get(P.WEIGHT_VERSION)(lambda: {"weight_version": engine.weight_version})
 
     @app.get(P.METRICS)
     async def metrics():
-        g = {"running_requests": len(engine.running), "waiting_requests": len(engine.waiting),
-             "kv_cache_usage": engine.pool.used / engine.pool.num_blocks, "kv_cache_blocks": engine.pool.num_blocks,
-             "prefix_cache_hit_tokens_total": engine.pool.hit_tokens, "weight_version": engine.weight_version,
-             "paused": int(engine.paused is not None)}
+        g = {
+            "running_requests": len(engine.running),
+            "waiting_requests": len(engine.waiting),
+            "kv_cache_usage": engine.pool.used / engine.pool.num_blocks,
+            "kv_cache_blocks": engine.pool.num_blocks,
+            "prefix_cache_hit_tokens_total": engine.pool.hit_tokens,
+            "weight_version": engine.weight_version,
+            "paused": int(engine.paused is not None),
+        }
         lines = []
         for name, v in list(engine.stats.items()) + list(g.items()):
             kind = "counter" if name.endswith("_total") else "gauge"
@@ -291,9 +325,13 @@ def add_weight_routes(app: FastAPI, engine: Engine) -> None:
             unknown = [n for n in names or [] if n not in sd]
             if unknown:
                 raise P.BadRequest("names", f"no such parameter {unknown[0]!r}")
-            return {"weight_version": engine.weight_version, "tensors": {
-                n: {"shape": list(sd[n].shape), "dtype": dtype_name(sd[n].dtype), "crc32": checksum(sd[n])}
-                for n in (names or sd)}}
+            return {
+                "weight_version": engine.weight_version,
+                "tensors": {
+                    n: {"shape": list(sd[n].shape), "dtype": dtype_name(sd[n].dtype), "crc32": checksum(sd[n])}
+                    for n in (names or sd)
+                },
+            }
 
         return await asyncio.wrap_future(engine.call(snapshot))
 
@@ -311,8 +349,15 @@ def add_group_routes(app: FastAPI, engine: Engine, apply: Callable[[dict, Any], 
         if body.rank_offset >= body.world_size:
             raise P.BadRequest("rank_offset", f"{body.rank_offset} is not a rank of a {body.world_size}-rank group")
         try:
-            group = await asyncio.to_thread(join, body.master_address, body.master_port, body.world_size,
-                                            body.rank_offset, body.backend, body.timeout_s)
+            group = await asyncio.to_thread(
+                join,
+                body.master_address,
+                body.master_port,
+                body.world_size,
+                body.rank_offset,
+                body.backend,
+                body.timeout_s,
+            )
         except ValueError as e:
             raise P.BadRequest("backend", str(e)) from None
         except Exception as e:
@@ -337,8 +382,7 @@ def add_group_routes(app: FastAPI, engine: Engine, apply: Callable[[dict, Any], 
         if group is None:
             raise P.BadRequest("group_name", f"no group {body.group_name!r}; call /init_weights_update_group first")
         device = next(engine.hf.parameters()).device
-        named = await asyncio.to_thread(receive_distributed, group, body.names, body.dtypes, body.shapes,
-                                        device=device)
+        named = await asyncio.to_thread(receive_distributed, group, body.names, body.dtypes, body.shapes, device=device)
         return await apply(named, body.weight_version)
 
 

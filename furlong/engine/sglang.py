@@ -110,21 +110,44 @@ def _option(flag: str, value: object) -> list[str]:
 def build_command(cfg: SGLangConfig, admin_token: str | None = None, python: str = sys.executable) -> list[str]:
     """The ``python -m sglang.launch_server ...`` argv for ``cfg``."""
     cfg.validate()
-    cmd = [python, "-m", "sglang.launch_server", "--model-path", str(cfg.model_path), "--host", cfg.host,
-           "--port", str(cfg.port), "--dtype", cfg.dtype, "--tp-size", str(cfg.tp_size),
-           "--weight-version", cfg.weight_version]
-    options = {"--mem-fraction-static": cfg.mem_fraction_static, "--base-gpu-id": cfg.base_gpu_id or None,
-               "--context-length": cfg.context_length, "--max-running-requests": cfg.max_running_requests,
-               "--max-total-tokens": cfg.max_total_tokens, "--random-seed": cfg.random_seed,
-               "--load-format": cfg.load_format, "--admin-api-key": admin_token}
+    cmd = [
+        python,
+        "-m",
+        "sglang.launch_server",
+        "--model-path",
+        str(cfg.model_path),
+        "--host",
+        cfg.host,
+        "--port",
+        str(cfg.port),
+        "--dtype",
+        cfg.dtype,
+        "--tp-size",
+        str(cfg.tp_size),
+        "--weight-version",
+        cfg.weight_version,
+    ]
+    options = {
+        "--mem-fraction-static": cfg.mem_fraction_static,
+        "--base-gpu-id": cfg.base_gpu_id or None,
+        "--context-length": cfg.context_length,
+        "--max-running-requests": cfg.max_running_requests,
+        "--max-total-tokens": cfg.max_total_tokens,
+        "--random-seed": cfg.random_seed,
+        "--load-format": cfg.load_format,
+        "--admin-api-key": admin_token,
+    }
     for flag, value in options.items():
         if value is not None:
             cmd += _option(flag, value)
-    switches = {"--enable-metrics": cfg.enable_metrics, "--skip-server-warmup": cfg.skip_warmup,
-                "--disable-radix-cache": cfg.disable_radix_cache,
-                "--enable-return-routed-experts": cfg.return_routed_experts,
-                "--enable-memory-saver": cfg.enable_memory_saver,
-                "--enable-deterministic-inference": cfg.deterministic}
+    switches = {
+        "--enable-metrics": cfg.enable_metrics,
+        "--skip-server-warmup": cfg.skip_warmup,
+        "--disable-radix-cache": cfg.disable_radix_cache,
+        "--enable-return-routed-experts": cfg.return_routed_experts,
+        "--enable-memory-saver": cfg.enable_memory_saver,
+        "--enable-deterministic-inference": cfg.deterministic,
+    }
     cmd += [flag for flag, on in switches.items() if on]
     return cmd + list(cfg.extra_args)
 
@@ -148,20 +171,38 @@ def kv_tokens(model_cfg: dict, dtype: str, kv_cache_mb: int) -> int:
     return max(1, kv_cache_mb * 2**20 // per_token)
 
 
-def config_for(*, model_dir: str, host: str, port: int, dtype: str, kv_cache_mb: int, max_running: int,
-               max_context: int | None, prefix_cache: bool) -> SGLangConfig:
+def config_for(
+    *,
+    model_dir: str,
+    host: str,
+    port: int,
+    dtype: str,
+    kv_cache_mb: int,
+    max_running: int,
+    max_context: int | None,
+    prefix_cache: bool,
+) -> SGLangConfig:
     """The SGLang server that honours the run's `engine.*` settings (the mapping is in the module docstring)."""
     from furlong.engine.engine import context_window
 
     model_cfg = _model_config(model_dir)
     context_window(int(model_cfg.get("max_position_embeddings", 2048)), max_context)  # same refusal as builtin
-    return SGLangConfig(model_path=str(model_dir), host=host, port=port, dtype=dtype, context_length=max_context,
-                        max_running_requests=max_running, max_total_tokens=kv_tokens(model_cfg, dtype, kv_cache_mb),
-                        disable_radix_cache=not prefix_cache)
+    return SGLangConfig(
+        model_path=str(model_dir),
+        host=host,
+        port=port,
+        dtype=dtype,
+        context_length=max_context,
+        max_running_requests=max_running,
+        max_total_tokens=kv_tokens(model_cfg, dtype, kv_cache_mb),
+        disable_radix_cache=not prefix_cache,
+    )
 
 
-MISSING = ("engine.backend=sglang: the sglang package is not installed for {python}; install it on a GPU "
-           "machine (pip install 'sglang[all]') or set engine.backend=builtin")
+MISSING = (
+    "engine.backend=sglang: the sglang package is not installed for {python}; install it on a GPU "
+    "machine (pip install 'sglang[all]') or set engine.backend=builtin"
+)
 
 
 class SGLangServer(ManagedProcess):
@@ -185,9 +226,15 @@ def register(router_url: str, engine_url: str, admin_token: str | None = None) -
     return r.json()
 
 
-def launch(cfg: SGLangConfig, router_url: str | None = None, admin_token: str | None = None,
-           timeout: float = 900.0, log_path: str | Path | None = None, env: dict[str, str] | None = None,
-           python: str = sys.executable) -> SGLangServer:
+def launch(
+    cfg: SGLangConfig,
+    router_url: str | None = None,
+    admin_token: str | None = None,
+    timeout: float = 900.0,
+    log_path: str | Path | None = None,
+    env: dict[str, str] | None = None,
+    python: str = sys.executable,
+) -> SGLangServer:
     """Start SGLang, wait until it is healthy, then register it with ``router_url`` if given.
 
     `env` adds variables to the server's environment (through `env(1)`, so the process
@@ -229,8 +276,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--admin-token", default=os.environ.get("FURLONG_ADMIN_TOKEN"))
     p.add_argument("--log", help="file for the server's output")
     args, extra = p.parse_known_args(argv)
-    cfg = SGLangConfig(model_path=args.model_path, host=args.host, port=args.port, dtype=args.dtype,
-                       tp_size=args.tp_size, mem_fraction_static=args.mem_fraction_static, extra_args=extra)
+    cfg = SGLangConfig(
+        model_path=args.model_path,
+        host=args.host,
+        port=args.port,
+        dtype=args.dtype,
+        tp_size=args.tp_size,
+        mem_fraction_static=args.mem_fraction_static,
+        extra_args=extra,
+    )
     try:
         server = launch(cfg, args.router, args.admin_token, log_path=args.log)
     except (ValueError, RuntimeError) as e:

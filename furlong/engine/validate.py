@@ -14,13 +14,23 @@ def to_sampling(p: SamplingParamsIn | None, *, prompt_len: int, max_context: int
     p = p or SamplingParamsIn()
     room = max_context - prompt_len
     if p.max_new_tokens is not None and p.max_new_tokens > room:
-        raise BadRequest("sampling_params.max_new_tokens", f"{p.max_new_tokens} exceeds the {room} tokens left in the {max_context}-token context")
+        raise BadRequest(
+            "sampling_params.max_new_tokens",
+            f"{p.max_new_tokens} exceeds the {room} tokens left in the {max_context}-token context",
+        )
     seed = p.seed if p.seed is not None else p.sampling_seed
     return SamplingParams(
         max_new_tokens=p.max_new_tokens if p.max_new_tokens is not None else min(default_max, room),
-        temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, min_p=p.min_p, stop=p.stop or [],
-        stop_token_ids=p.stop_token_ids or [], ignore_eos=p.ignore_eos, skip_special_tokens=p.skip_special_tokens,
-        no_stop_trim=p.no_stop_trim, seed=seed,
+        temperature=p.temperature,
+        top_p=p.top_p,
+        top_k=p.top_k,
+        min_p=p.min_p,
+        stop=p.stop or [],
+        stop_token_ids=p.stop_token_ids or [],
+        ignore_eos=p.ignore_eos,
+        skip_special_tokens=p.skip_special_tokens,
+        no_stop_trim=p.no_stop_trim,
+        seed=seed,
     )
 
 

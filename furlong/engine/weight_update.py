@@ -67,7 +67,9 @@ def load_disk(model, path: str | Path) -> dict[str, torch.Tensor]:
     if unknown and p.is_dir() and (p / "config.json").exists():
         cfg = json.loads((p / "config.json").read_text())
         if cfg.get("model_type") != model.config.model_type:
-            raise WeightUpdateError(f"model_path: checkpoint is {cfg.get('model_type')!r}, engine runs {model.config.model_type!r}")
+            raise WeightUpdateError(
+                f"model_path: checkpoint is {cfg.get('model_type')!r}, engine runs {model.config.model_type!r}"
+            )
         from transformers import AutoModelForCausalLM
 
         other = AutoModelForCausalLM.from_pretrained(str(p), dtype=next(model.parameters()).dtype)
@@ -88,8 +90,14 @@ def receive_device(group, engine_device: torch.device | str) -> torch.device:
     return torch.device(engine_device) if name.lower() == "nccl" else torch.device("cpu")
 
 
-def receive_distributed(group, names: list[str], dtypes: list[str], shapes: list[list[int]], src: int = 0,
-                        device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
+def receive_distributed(
+    group,
+    names: list[str],
+    dtypes: list[str],
+    shapes: list[list[int]],
+    src: int = 0,
+    device: torch.device | str = "cpu",
+) -> dict[str, torch.Tensor]:
     """Receive tensors broadcast by `src`, one per name, in order, into fresh buffers.
 
     `device` is the engine's device; buffers go there when the group is NCCL
@@ -104,8 +112,10 @@ def receive_distributed(group, names: list[str], dtypes: list[str], shapes: list
         raise WeightUpdateError(f"names/dtypes/shapes: lengths differ ({len(names)}, {len(dtypes)}, {len(shapes)})")
     where = receive_device(group, device)
     try:
-        bufs = {n: torch.empty([int(x) for x in s], dtype=parse_dtype(d, f"dtypes[{n}]"), device=where)
-                for n, d, s in zip(names, dtypes, shapes)}
+        bufs = {
+            n: torch.empty([int(x) for x in s], dtype=parse_dtype(d, f"dtypes[{n}]"), device=where)
+            for n, d, s in zip(names, dtypes, shapes)
+        }
     except (ValueError, RuntimeError) as e:
         raise WeightUpdateError(f"names/dtypes/shapes: {e}") from None
     return {n: broadcast(group, t, src) for n, t in bufs.items()}

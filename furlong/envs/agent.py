@@ -1,7 +1,8 @@
 """The `rollout.agent_fn` glue: a black-box agent's episode on a TITO session becomes the rollout's Sample.
 
 With `rollout.agent_fn: pkg.module:agent` set (and no `rollout.generate_fn`), the
-rollout manager generates every sample with `generate` below:
+composition root (`driver/build.py`) hands the rollout manager `generate` below as its
+generate function (the manager, a floor below envs, never imports it):
 
     open a session on this process's session server (started once, in a thread,
         against the URL the manager's EngineClient uses: the router or one engine)
@@ -38,14 +39,17 @@ import atexit
 import json
 import os
 import threading
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
 
+from furlong.core.sample import Sample, Status
 from furlong.envs.session_server import ServerThread, SessionServer
 from furlong.rollout.generate import RolloutContext, reset_response
 from furlong.rollout.rewards import call, check_reward
-from furlong.core.sample import Sample, Status
+
+if TYPE_CHECKING:
+    from furlong.config.schema import RolloutConfig
 
 SAMPLING = ("temperature", "top_p", "top_k", "stop", "seed")
 _servers: dict[str, ServerThread] = {}
@@ -72,7 +76,7 @@ def session_server(engine_url: str, tokenizer: Any = None) -> ServerThread:
         return server
 
 
-def _agent(rollout: Any) -> Any:
+def _agent(rollout: RolloutConfig) -> Any:
     spec = getattr(rollout, "agent_fn", None)
     if spec is None:
         raise ValueError("agent.generate: rollout.agent_fn is not set (the agent to run on each sample)")
@@ -88,8 +92,11 @@ def _wants_config(agent: Any) -> bool:
     import inspect
 
     try:
-        params = [p for p in inspect.signature(agent).parameters.values()
-                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.VAR_POSITIONAL)]
+        params = [
+            p
+            for p in inspect.signature(agent).parameters.values()
+            if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.VAR_POSITIONAL)
+        ]
     except (TypeError, ValueError):
         return False
     return len(params) >= 3 or any(p.kind == p.VAR_POSITIONAL for p in params)
@@ -106,16 +113,21 @@ async def generate(ctx: RolloutContext, sample: Sample, sampling_params: dict[st
     """Run `rollout.agent_fn` on one sample through a TITO session; see the module docstring."""
     from furlong.envs.multiturn import _sections
 
-    rollout, envs = _sections(ctx)
+    sections = _sections(ctx)
+    rollout: RolloutConfig = sections[0]  # typed, so tools.schema_readers sees the reads of `rollout.*` below
+    envs = sections[1]
     agent = _agent(rollout)
     sample.metadata["max_turns"] = int(getattr(rollout, "max_turns", 1) or 1)  # a hint agents may follow
     if sample.response_length or Status(sample.status) != Status.PENDING:
         reset_response(sample)  # an agent cannot resume mid-episode: start again
     server = session_server(ctx.client.url, ctx.tokenizer)
     defaults = {k: sampling_params[k] for k in SAMPLING if sampling_params.get(k) is not None}
-    body = {"label": sample.label, "sampling": defaults, "max_new_tokens": int(sampling_params["max_new_tokens"]),
-            "metadata": {k: sample.metadata[k] for k in ("prompt_index", "sample_index", "seq")
-                         if k in sample.metadata}}
+    body = {
+        "label": sample.label,
+        "sampling": defaults,
+        "max_new_tokens": int(sampling_params["max_new_tokens"]),
+        "metadata": {k: sample.metadata[k] for k in ("prompt_index", "sample_index", "seq") if k in sample.metadata},
+    }
     async with httpx.AsyncClient(base_url=server.url, timeout=httpx.Timeout(None, connect=10.0)) as http:
         resp = await http.post("/sessions", json=body)
         resp.raise_for_status()
@@ -137,8 +149,13 @@ async def generate(ctx: RolloutContext, sample: Sample, sampling_params: dict[st
     out = max(recorded, key=lambda s: s.metadata.get("last_turn", 0))
     text, calls = _final_reply(out.metadata.get("messages", []))
     out.index, out.group_index, out.label = sample.index, sample.group_index, sample.label
-    out.metadata = {**sample.metadata, **out.metadata, "response_text": text, "tool_calls": calls,
-                    "agent_trajectories": len(recorded)}
+    out.metadata = {
+        **sample.metadata,
+        **out.metadata,
+        "response_text": text,
+        "tool_calls": calls,
+        "agent_trajectories": len(recorded),
+    }
     if exhausted and Status(out.status) == Status.COMPLETED:
         out.status, out.status_reason = Status.TRUNCATED, "token budget used up"
     if Status(out.status) not in (Status.COMPLETED, Status.TRUNCATED):
@@ -171,8 +188,8 @@ async def tool_agent(sample: Sample, base_url: str) -> None:
     and the OpenAI chat format are used, as by any external harness.
     """
     from furlong.core.plugins import import_path
-    from furlong.envs.protocol import TOOLS
     from furlong.core.tool_calls import ToolCall
+    from furlong.envs.protocol import TOOLS
     from furlong.envs.tools import execute_all
 
     messages = list(sample.prompt) if isinstance(sample.prompt, list) else [{"role": "user", "content": sample.prompt}]
@@ -180,13 +197,15 @@ async def tool_agent(sample: Sample, base_url: str) -> None:
     names = [t.get("function", t).get("name") for t in tools or []]
     fns = {n: import_path(TOOLS[n], "envs.tools") for n in names if n in TOOLS}
     async with httpx.AsyncClient(base_url=base_url.rstrip("/"), timeout=httpx.Timeout(None, connect=10.0)) as http:
-        for turn in range(int(sample.metadata.get("max_turns", 3))):
+        for _turn in range(int(sample.metadata.get("max_turns", 3))):
             resp = await http.post("/chat/completions", json={"model": "furlong", "messages": messages, "tools": tools})
             resp.raise_for_status()
             message = resp.json()["choices"][0]["message"]
             messages.append(message)
-            calls = [ToolCall(c["function"]["name"], json.loads(c["function"]["arguments"] or "{}"), c["id"])
-                     for c in message.get("tool_calls") or []]
+            calls = [
+                ToolCall(c["function"]["name"], json.loads(c["function"]["arguments"] or "{}"), c["id"])
+                for c in message.get("tool_calls") or []
+            ]
             if not calls:
                 break
             messages += await execute_all(calls, fns, timeout_s=10.0)

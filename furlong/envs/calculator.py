@@ -32,12 +32,15 @@ from __future__ import annotations
 import json
 import random
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from furlong.core.sample import Sample
 from furlong.data.tasks import TASKS, calculate, score_integer
 from furlong.envs.protocol import ToolEnvironment, final_text
 from furlong.envs.session_store import template_tools
-from furlong.core.sample import Sample
+
+if TYPE_CHECKING:
+    from furlong.config.schema import EnvsConfig
 
 
 def calculator(expression: str) -> str:
@@ -86,13 +89,14 @@ def calculator_calls(sample: Sample) -> tuple[list[str], list[str]]:
 
 
 class CalculatorEnvironment(ToolEnvironment):
-    def __init__(self, config: Any = None, tool_fn: Any = None):
+    def __init__(self, config: EnvsConfig | None = None, tool_fn: Any = None):
         super().__init__({"calculator": calculator}, timeout_s=getattr(config, "timeout_s", 10.0), tool_fn=tool_fn)
         options = dict(getattr(config, "connector", None) or {})
         unknown = sorted(set(options) - {"tiers"})
         if unknown:
-            raise ValueError(f"envs.connector: unknown key(s) {unknown} for the calculator environment; "
-                             "known: ['tiers']")
+            raise ValueError(
+                f"envs.connector: unknown key(s) {unknown} for the calculator environment; known: ['tiers']"
+            )
         self.tiers = bool(options.get("tiers", True))
 
     async def step(self, sample: Sample, action: str) -> tuple[list[dict[str, Any]], bool]:
@@ -100,10 +104,12 @@ class CalculatorEnvironment(ToolEnvironment):
 
         _, calls, _ = parse_tool_calls(action)
         sample.metadata.setdefault("calculator_expressions", []).extend(
-            str(c.arguments["expression"]) for c in calls if c.name == "calculator" and "expression" in c.arguments)
+            str(c.arguments["expression"]) for c in calls if c.name == "calculator" and "expression" in c.arguments
+        )
         messages, done = await super().step(sample, action)
         sample.metadata.setdefault("calculator_results", []).extend(
-            str(m.get("content") or "") for m in messages if m.get("role") == "tool")
+            str(m.get("content") or "") for m in messages if m.get("role") == "tool"
+        )
         return messages, done
 
     async def reward(self, sample: Sample) -> dict[str, float]:
@@ -113,10 +119,12 @@ class CalculatorEnvironment(ToolEnvironment):
         expressions, results = calculator_calls(sample)
         question = sample.metadata.get("expression")
         answer = final_text(sample)
-        parts = {"correct": score_integer(answer, sample.label), "used_tool": float(calls > 0),
-                 "right_expression": float(question is not None
-                                           and any(_same_expression(e, question) for e in expressions)),
-                 "copied_result": float(bool(results) and _copied(answer, results[-1]))}
+        parts = {
+            "correct": score_integer(answer, sample.label),
+            "used_tool": float(calls > 0),
+            "right_expression": float(question is not None and any(_same_expression(e, question) for e in expressions)),
+            "copied_result": float(bool(results) and _copied(answer, results[-1])),
+        }
         if parts["correct"] or not self.tiers:
             score = parts["correct"]
         else:
@@ -124,8 +132,9 @@ class CalculatorEnvironment(ToolEnvironment):
         return {"score": score, **parts, "tool_calls": calls}
 
 
-def demonstration(expression: str, label: int, tools: list[dict[str, Any]], question: list[dict[str, Any]],
-                  flawed: bool) -> dict[str, Any]:
+def demonstration(
+    expression: str, label: int, tools: list[dict[str, Any]], question: list[dict[str, Any]], flawed: bool
+) -> dict[str, Any]:
     """One warm-up conversation (`messages`, `tools`); see the module docstring for `flawed`.
 
     The answer is the bare number: after the tool's `<tool_response>` it is then the same
@@ -135,11 +144,20 @@ def demonstration(expression: str, label: int, tools: list[dict[str, Any]], ques
     if flawed:
         shortcut = calculate(" ".join(expression.split()[:3]))  # "12 * 34 + 56" -> 12 * 34
         return {"messages": [*question, {"role": "assistant", "content": str(shortcut)}], "tools": tools}
-    call = {"id": "call_0", "type": "function",
-            "function": {"name": "calculator", "arguments": {"expression": expression}}}
-    return {"messages": [*question, {"role": "assistant", "content": "", "tool_calls": [call]},
-                         {"role": "tool", "tool_call_id": "call_0", "content": calculator(expression)},
-                         {"role": "assistant", "content": str(label)}], "tools": tools}
+    call = {
+        "id": "call_0",
+        "type": "function",
+        "function": {"name": "calculator", "arguments": {"expression": expression}},
+    }
+    return {
+        "messages": [
+            *question,
+            {"role": "assistant", "content": "", "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "call_0", "content": calculator(expression)},
+            {"role": "assistant", "content": str(label)},
+        ],
+        "tools": tools,
+    }
 
 
 def write_demonstrations(path: str | Path, n: int, *, seed: int = 0, flawed: float = 0.5, difficulty: int = 1) -> Path:

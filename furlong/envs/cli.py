@@ -1,18 +1,18 @@
 """`furlong envs ...`: the TITO session server and the sandbox, from the command line.
 
-    furlong envs sessions --engine http://127.0.0.1:30000 --port 31000
-        serve sessions in front of an engine (or the router); an agent uses
-        http://127.0.0.1:31000/sessions/<id>/v1 as its OpenAI base_url
-    furlong envs demos calculator FILE [--n 2000] [--flawed 0.5] [--difficulty 1]
-        write calculator tool-use conversations for the SFT warm-up (data.sft_path)
-    furlong envs setup NAME... | --all [--force]
-        build (or reuse) the virtual environment of a connector package
-        (openenv, verifiers, nemo-gym, harbor); cached under ~/.cache/furlong/envs
-    furlong envs list
-        the connectors, their Python and requirements, and whether each is built
-    furlong envs sandbox FILE.py [--timeout 10] [--memory-mb 1024]
-        run a program in the local sandbox and print the result as JSON,
-        including which isolation layers were in force on this machine
+furlong envs sessions --engine http://127.0.0.1:30000 --port 31000
+    serve sessions in front of an engine (or the router); an agent uses
+    http://127.0.0.1:31000/sessions/<id>/v1 as its OpenAI base_url
+furlong envs demos calculator FILE [--n 2000] [--flawed 0.5] [--difficulty 1]
+    write calculator tool-use conversations for the SFT warm-up (data.sft_path)
+furlong envs setup NAME... | --all [--force]
+    build (or reuse) the virtual environment of a connector package
+    (openenv, verifiers, nemo-gym, harbor); cached under ~/.cache/furlong/envs
+furlong envs list
+    the connectors, their Python and requirements, and whether each is built
+furlong envs sandbox FILE.py [--timeout 10] [--memory-mb 1024]
+    run a program in the local sandbox and print the result as JSON,
+    including which isolation layers were in force on this machine
 """
 
 from __future__ import annotations
@@ -90,8 +90,10 @@ def _setup(args: argparse.Namespace) -> int:
         return 0
     names = list(CONNECTORS) if args.all else args.names
     if not names:
-        print("furlong envs setup: name one or more connectors, or pass --all; known: " + ", ".join(CONNECTORS),
-              file=sys.stderr)
+        print(
+            "furlong envs setup: name one or more connectors, or pass --all; known: " + ", ".join(CONNECTORS),
+            file=sys.stderr,
+        )
         return 2
     from concurrent.futures import ThreadPoolExecutor
 

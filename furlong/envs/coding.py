@@ -17,13 +17,16 @@ from __future__ import annotations
 import random
 import re
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from furlong.core.sample import Sample
 from furlong.data.datasets import Prompt
 from furlong.envs.protocol import ToolEnvironment, final_text
 from furlong.envs.sandbox.factory import build_sandbox
 from furlong.envs.sandbox.local import LocalSandbox
-from furlong.core.sample import Sample
+
+if TYPE_CHECKING:
+    from furlong.config.schema import EnvsConfig
 
 PYTHON_TOOL: dict[str, Any] = {
     "type": "function",
@@ -39,12 +42,20 @@ CODE_BLOCK = re.compile(r"```(?:python|py)?[ \t]*\n(.*?)```", re.S)
 PROBLEMS: list[tuple[str, str, Callable[[int, Any], Any], list[Any]]] = [
     ("add_{k}", "returns x plus {k}", lambda k, x: x + k, [0, 1, -5, 100]),
     ("times_{k}", "returns x multiplied by {k}", lambda k, x: x * k, [0, 2, -3, 11]),
-    ("is_multiple_of_{k}", "returns True if x is a multiple of {k}, else False", lambda k, x: x % k == 0,
-     [0, 1, 6, 12, 35]),
+    (
+        "is_multiple_of_{k}",
+        "returns True if x is a multiple of {k}, else False",
+        lambda k, x: x % k == 0,
+        [0, 1, 6, 12, 35],
+    ),
     ("repeat_{k}", "returns the string s repeated {k} times", lambda k, s: s * k, ["", "a", "xy"]),
     ("last_{k}", "returns the last {k} characters of the string s", lambda k, s: s[-k:], ["abcdefgh", "hello world"]),
-    ("count_{k}s", "returns how many times the digit {k} occurs in the decimal digits of the non-negative integer x",
-     lambda k, x: str(x).count(str(k)), [0, 7, 1234567, 777, 90909]),
+    (
+        "count_{k}s",
+        "returns how many times the digit {k} occurs in the decimal digits of the non-negative integer x",
+        lambda k, x: str(x).count(str(k)),
+        [0, 7, 1234567, 777, 90909],
+    ),
 ]
 
 
@@ -54,13 +65,23 @@ def make_problem(rng: random.Random) -> dict[str, Any]:
     name, spec = name_t.format(k=k), spec_t.format(k=k)
     arg = "s" if isinstance(inputs[0], str) else "x"
     tests = "\n".join(f"assert {name}({x!r}) == {ref(k, x)!r}, {f'failed on {name}({x!r})'!r}" for x in inputs)
-    return {"question": f"Write a Python function `{name}({arg})` that {spec}.", "entry_point": name, "tests": tests,
-            "solution": f"def {name}({arg}):\n    return {_ref_expr(name_t, k, arg)}\n"}
+    return {
+        "question": f"Write a Python function `{name}({arg})` that {spec}.",
+        "entry_point": name,
+        "tests": tests,
+        "solution": f"def {name}({arg}):\n    return {_ref_expr(name_t, k, arg)}\n",
+    }
 
 
 def _ref_expr(name_t: str, k: int, arg: str) -> str:
-    return {"add_{k}": f"{arg} + {k}", "times_{k}": f"{arg} * {k}", "is_multiple_of_{k}": f"{arg} % {k} == 0",
-            "repeat_{k}": f"{arg} * {k}", "last_{k}": f"{arg}[-{k}:]", "count_{k}s": f"str({arg}).count('{k}')"}[name_t]
+    return {
+        "add_{k}": f"{arg} + {k}",
+        "times_{k}": f"{arg} * {k}",
+        "is_multiple_of_{k}": f"{arg} % {k} == 0",
+        "repeat_{k}": f"{arg} * {k}",
+        "last_{k}": f"{arg}[-{k}:]",
+        "count_{k}s": f"str({arg}).count('{k}')",
+    }[name_t]
 
 
 def make_prompts(n: int, seed: int = 0, *, tool: bool = True) -> list[Prompt]:
@@ -129,7 +150,7 @@ async def python(code: str) -> str:
 class CodingEnvironment(ToolEnvironment):
     """Coding with an optional `python` tool; reward from the tests, run in the configured sandbox."""
 
-    def __init__(self, config: Any = None, tool_fn: Any = None):
+    def __init__(self, config: EnvsConfig | None = None, tool_fn: Any = None):
         self.sandbox = build_sandbox(config) if config is not None else _sandbox()
         timeout_s = getattr(config, "timeout_s", 10.0)
         super().__init__({"python": self._python}, timeout_s=timeout_s + 5.0, tool_fn=tool_fn)

@@ -37,12 +37,11 @@ import inspect
 import uuid
 from typing import Any
 
-from furlong.data.chat import append_runs, suffix_ids
+from furlong.core.sample import Sample, Status
+from furlong.data.chat import append_runs, encode_prompt, suffix_ids
 from furlong.envs.protocol import build_environment
-from furlong.data.chat import encode_prompt
 from furlong.rollout.generate import RolloutContext, apply_response, derive_seed
 from furlong.rollout.rewards import check_reward
-from furlong.core.sample import Sample, Status
 
 
 def _sections(ctx: RolloutContext) -> tuple[Any, Any]:
@@ -72,15 +71,20 @@ async def generate(ctx: RolloutContext, sample: Sample, sampling_params: dict[st
     env = build_environment(envs, sample)
     state = sample.metadata.get("multiturn")
     if sample.response_length == 0 or state is None:  # a fresh start (or a restart after reset_response)
-        state = sample.metadata["multiturn"] = {"turns": 0, "turn_start": None, "stepping": False,
-                                                "reset": bool((state or {}).get("reset"))}
+        state = sample.metadata["multiturn"] = {
+            "turns": 0,
+            "turn_start": None,
+            "stepping": False,
+            "reset": bool((state or {}).get("reset")),
+        }
         sample.metadata["messages"] = []
         if not state["reset"]:
             extra = await env.reset(sample)
             if extra:
                 if not isinstance(sample.prompt, list):
-                    raise ValueError("multiturn.generate: env.reset returned messages but the prompt is text, "
-                                     "not messages")
+                    raise ValueError(
+                        "multiturn.generate: env.reset returned messages but the prompt is text, not messages"
+                    )
                 sample.tokens = encode_prompt(tok, list(sample.prompt) + extra, tools)
                 sample.prompt = list(sample.prompt) + extra
             state["reset"] = True

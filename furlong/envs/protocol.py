@@ -21,13 +21,16 @@ result is never mistaken for the model's answer.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from furlong.config.registry import Environment
+from furlong.config.protocols import Environment  # plug points are declared once, in config/protocols.py
 from furlong.core.plugins import import_path
+from furlong.core.sample import Sample
 from furlong.core.tool_calls import parse_tool_calls
 from furlong.envs.tools import execute_all
-from furlong.core.sample import Sample
+
+if TYPE_CHECKING:
+    from furlong.config.schema import EnvsConfig
 
 __all__ = ["Environment", "ToolEnvironment", "build_environment", "final_text"]
 
@@ -40,8 +43,13 @@ def final_text(sample: Sample) -> str:
 class ToolEnvironment:
     """Tool use: execute the calls of each turn; done at the first turn with none."""
 
-    def __init__(self, tools: dict[str, Callable[..., Any]] | None = None, *, timeout_s: float = 10.0,
-                 tool_fn: Callable[..., Any] | None = None):
+    def __init__(
+        self,
+        tools: dict[str, Callable[..., Any]] | None = None,
+        *,
+        timeout_s: float = 10.0,
+        tool_fn: Callable[..., Any] | None = None,
+    ):
         self.tools = dict(tools or {})
         self.timeout_s = timeout_s
         self.tool_fn = tool_fn
@@ -78,7 +86,7 @@ TOOLS = {  # tools `envs.tools` may name
 }
 
 
-def build_environment(envs: Any, sample: Sample) -> Environment:
+def build_environment(envs: EnvsConfig | None, sample: Sample) -> Environment:
     """The environment for `sample`: `envs.environment` (custom), else `envs.name`, else the sample's task.
 
     `envs` is the `envs` config section or None (defaults). A sample whose metadata
@@ -104,8 +112,10 @@ def build_environment(envs: Any, sample: Sample) -> Environment:
     if name in CONNECTORS:
         module = connector(name)
         if not hasattr(module, "environment"):
-            raise ValueError(f"envs.name={name!r}: this connector is an agent, not an environment; "
-                             f"set rollout.agent_fn: {module.__name__}:agent instead")
+            raise ValueError(
+                f"envs.name={name!r}: this connector is an agent, not an environment; "
+                f"set rollout.agent_fn: {module.__name__}:agent instead"
+            )
         return module.environment(config=envs, seed=sample.metadata.get("seed", 0))
     if name not in BUILTIN:
         if getattr(envs, "name", None):

@@ -73,8 +73,14 @@ SESSION_METADATA = "furlong_session"  # ... or this key of the body's OpenAI `me
 class SessionServer:
     """Sessions over one engine URL (an engine server or the router); see the module docstring."""
 
-    def __init__(self, engine_url: str, tokenizer: Any = None, *, timeout_s: float = 600.0,
-                 transport: httpx.AsyncBaseTransport | None = None):
+    def __init__(
+        self,
+        engine_url: str,
+        tokenizer: Any = None,
+        *,
+        timeout_s: float = 600.0,
+        transport: httpx.AsyncBaseTransport | None = None,
+    ):
         self.engine_url = engine_url.rstrip("/")
         self.transport = transport
         self.tokenizer = tokenizer
@@ -83,8 +89,14 @@ class SessionServer:
         self._http: httpx.AsyncClient | None = None
 
     # ---- the Python API (also what the HTTP routes call) -------------------------
-    def create(self, metadata: dict[str, Any] | None = None, label: Any = None, *,
-               sampling: dict[str, Any] | None = None, max_new_tokens: int | None = None) -> str:
+    def create(
+        self,
+        metadata: dict[str, Any] | None = None,
+        label: Any = None,
+        *,
+        sampling: dict[str, Any] | None = None,
+        max_new_tokens: int | None = None,
+    ) -> str:
         return self.store.create(metadata, label, sampling=sampling, max_new_tokens=max_new_tokens)
 
     def samples(self, sid: str) -> list[Sample]:
@@ -114,9 +126,9 @@ class SessionServer:
 
     def _client(self) -> httpx.AsyncClient:
         if self._http is None:
-            self._http = httpx.AsyncClient(base_url=self.engine_url,
-                                           timeout=httpx.Timeout(self.timeout_s, connect=10.0),
-                                           transport=self.transport)
+            self._http = httpx.AsyncClient(
+                base_url=self.engine_url, timeout=httpx.Timeout(self.timeout_s, connect=10.0), transport=self.transport
+            )
         return self._http
 
     async def aclose(self) -> None:
@@ -156,9 +168,11 @@ class SessionServer:
         if not sid and isinstance(body, dict) and isinstance(body.get("metadata"), dict):
             sid = body["metadata"].get(SESSION_METADATA)
         if not sid and required:
-            raise RequestError(f"metadata.{SESSION_METADATA}",
-                               f"no session named: send the {SESSION_HEADER} header or metadata.{SESSION_METADATA}, "
-                               "or use /sessions/{id}/v1 as the base URL")
+            raise RequestError(
+                f"metadata.{SESSION_METADATA}",
+                f"no session named: send the {SESSION_HEADER} header or metadata.{SESSION_METADATA}, "
+                "or use /sessions/{id}/v1 as the base URL",
+            )
         return str(sid) if sid else None
 
     async def tokenize(self, sid: str | None, body: Any) -> dict[str, Any]:
@@ -194,12 +208,16 @@ class SessionServer:
         if not isinstance(body, dict):
             raise RequestError("body", "must be a JSON object")
         messages = body.get("messages")
-        if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) and "role" in m
-                                                                     for m in messages):
+        if (
+            not isinstance(messages, list)
+            or not messages
+            or not all(isinstance(m, dict) and "role" in m for m in messages)
+        ):
             raise RequestError("messages", "must be a non-empty list of objects with a 'role'")
         if body.get("n", 1) != 1:
-            raise RequestError("n", "a session serves one choice per request (n=1); "
-                               "branch by sending the history again")
+            raise RequestError(
+                "n", "a session serves one choice per request (n=1); branch by sending the history again"
+            )
         tools = body.get("tools")
         if tools is not None and not isinstance(tools, list):
             raise RequestError("tools", "must be a list")
@@ -221,16 +239,23 @@ class SessionServer:
                 self.counts["budget_refusals"] += 1
                 # OpenAI's code and wording for a full context: clients (litellm, Harbor, verifiers) stop
                 # at once instead of retrying a refusal that cannot succeed.
-                raise RequestError("max_tokens", f"the session's token budget is used up (This model's maximum context "
-                                   f"length is {session.budget} tokens)", code="context_length_exceeded")
+                raise RequestError(
+                    "max_tokens",
+                    f"the session's token budget is used up (This model's maximum context "
+                    f"length is {session.budget} tokens)",
+                    code="context_length_exceeded",
+                )
             max_tokens = left if max_tokens is None else min(int(max_tokens), left)
         if max_tokens is not None:
             params["max_new_tokens"] = max_tokens
         return params
 
     async def _generate(self, session: Session, sample: Sample, body: dict[str, Any]) -> dict[str, Any]:
-        payload = {"input_ids": sample.tokens, "sampling_params": self._params(session, sample, body),
-                   "return_logprob": True}
+        payload = {
+            "input_ids": sample.tokens,
+            "sampling_params": self._params(session, sample, body),
+            "return_logprob": True,
+        }
         try:
             resp = await self._client().post("/generate", json=payload, headers={ROUTING_HEADER: session.id})
         except httpx.TransportError as e:
@@ -251,8 +276,15 @@ class SessionServer:
             raise RequestError("engine", str(e), 502) from e
         return out
 
-    def _response(self, body: dict[str, Any], out: dict[str, Any], message: dict[str, Any], reply_ids: list[int],
-                  sample: Sample, tok: Any) -> dict[str, Any]:
+    def _response(
+        self,
+        body: dict[str, Any],
+        out: dict[str, Any],
+        message: dict[str, Any],
+        reply_ids: list[int],
+        sample: Sample,
+        tok: Any,
+    ) -> dict[str, Any]:
         reason = ((out.get("meta_info") or {}).get("finish_reason") or {}).get("type", "stop")
         finish = "tool_calls" if message.get("tool_calls") and reason == "stop" else reason
         choice: dict[str, Any] = {"index": 0, "message": message, "finish_reason": finish, "logprobs": None}
@@ -269,10 +301,18 @@ class SessionServer:
         versions = sample.token_versions[len(sample.token_versions) - len(reply_ids) :]
         choice["meta_info"] = {"output_token_versions": versions}
         prompt_tokens = len(sample.tokens) - len(reply_ids)
-        resp = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
-                "model": body.get("model") or "furlong", "choices": [choice],
-                "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": len(reply_ids),
-                          "total_tokens": prompt_tokens + len(reply_ids)}}
+        resp = {
+            "id": f"chatcmpl-{uuid.uuid4().hex}",
+            "object": "chat.completion",
+            "created": int(time.time()),
+            "model": body.get("model") or "furlong",
+            "choices": [choice],
+            "usage": {
+                "prompt_tokens": prompt_tokens,
+                "completion_tokens": len(reply_ids),
+                "total_tokens": prompt_tokens + len(reply_ids),
+            },
+        }
         if body.get("return_token_ids"):
             resp["prompt_token_ids"] = sample.tokens[:prompt_tokens]
         return resp
@@ -295,8 +335,14 @@ class SessionServer:
             for key in ("metadata", "sampling"):
                 if not isinstance(body.get(key) or {}, dict):
                     raise RequestError(key, "must be an object")
-            return {"id": self.create(body.get("metadata"), body.get("label"), sampling=body.get("sampling"),
-                                      max_new_tokens=body.get("max_new_tokens"))}
+            return {
+                "id": self.create(
+                    body.get("metadata"),
+                    body.get("label"),
+                    sampling=body.get("sampling"),
+                    max_new_tokens=body.get("max_new_tokens"),
+                )
+            }
 
         async def serve_chat(sid: str, body: Any):
             resp = await self.chat(sid, body)
@@ -354,8 +400,9 @@ class SessionServer:
 async def _error_response(request: Request, e: RequestError) -> JSONResponse:
     """A refused request in OpenAI's error shape, naming the field (`param`)."""
     kind = "NotFoundError" if e.status == 404 else "BadRequestError" if e.status < 500 else "APIError"
-    return JSONResponse({"error": {"message": str(e), "type": kind, "param": e.param, "code": e.code or e.status}},
-                        status_code=e.status)
+    return JSONResponse(
+        {"error": {"message": str(e), "type": kind, "param": e.param, "code": e.code or e.status}}, status_code=e.status
+    )
 
 
 async def _body_of(request: Request) -> Any:
@@ -369,8 +416,10 @@ async def _body_of(request: Request) -> Any:
 def _metrics_text(stats: dict[str, int]) -> str:
     lines = []
     for name, v in sorted(stats.items()):
-        lines += [f"# TYPE furlong_sessions_{name} {'gauge' if name == 'sessions_open' else 'counter'}",
-                  f"furlong_sessions_{name} {v}"]
+        lines += [
+            f"# TYPE furlong_sessions_{name} {'gauge' if name == 'sessions_open' else 'counter'}",
+            f"furlong_sessions_{name} {v}",
+        ]
     return "\n".join(lines) + "\n"
 
 

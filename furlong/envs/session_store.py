@@ -39,8 +39,15 @@ from furlong.core.sample import Sample
 from furlong.data.chat import append_runs, encode_prompt, suffix_ids
 
 # the sampling defaults a session may carry: request field -> engine sampling param
-SAMPLING_KEYS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p", "seed": "seed",
-                 "stop": "stop", "stop_token_ids": "stop_token_ids"}
+SAMPLING_KEYS = {
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "seed": "seed",
+    "stop": "stop",
+    "stop_token_ids": "stop_token_ids",
+}
 
 
 class RequestError(ValueError):
@@ -128,13 +135,20 @@ class SessionStore:
         self.sessions: dict[str, Session] = {}
         self.counts: Counter[str] = Counter()
 
-    def create(self, metadata: dict[str, Any] | None = None, label: Any = None, *,
-               sampling: dict[str, Any] | None = None, max_new_tokens: int | None = None) -> str:
+    def create(
+        self,
+        metadata: dict[str, Any] | None = None,
+        label: Any = None,
+        *,
+        sampling: dict[str, Any] | None = None,
+        max_new_tokens: int | None = None,
+    ) -> str:
         unknown = sorted(set(sampling or {}) - set(SAMPLING_KEYS.values()))
         if unknown:
             raise RequestError("sampling", f"unknown key(s) {unknown}; known: {sorted(SAMPLING_KEYS.values())}")
-        if max_new_tokens is not None and (isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int)
-                                           or max_new_tokens < 1):
+        if max_new_tokens is not None and (
+            isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1
+        ):
             raise RequestError("max_new_tokens", f"must be a positive integer, got {max_new_tokens!r}")
         sid = uuid.uuid4().hex
         self.sessions[sid] = Session(sid, dict(metadata or {}), label, dict(sampling or {}), max_new_tokens)
@@ -185,8 +199,7 @@ class SessionStore:
         if budget_exhausted:
             sample.metadata["budget_exhausted"] = True
 
-    def close_turn(self, session: Session, turn: Turn, message: dict[str, Any], reply_ids: list[int],
-                   tok: Any) -> None:
+    def close_turn(self, session: Session, turn: Turn, message: dict[str, Any], reply_ids: list[int], tok: Any) -> None:
         """Record the model's reply (already appended to the sample's tokens) as the trajectory's latest turn."""
         traj, sample = turn.traj, turn.sample
         traj.history.append(normalise(message))
@@ -211,8 +224,9 @@ class SessionStore:
                         best = (last, traj.sample.tokens[:n_tokens])
         return None if best[1] is None else list(best[1])
 
-    def _place(self, session: Session, messages: list[dict[str, Any]], tools: Any, tok: Any
-               ) -> tuple[Trajectory, list[dict[str, Any]], str | None]:
+    def _place(
+        self, session: Session, messages: list[dict[str, Any]], tools: Any, tok: Any
+    ) -> tuple[Trajectory, list[dict[str, Any]], str | None]:
         """(trajectory to continue, messages to append, text of the reply they follow); see the module docstring.
 
         The trajectory is the one sharing the longest history with the request up to
@@ -224,8 +238,9 @@ class SessionStore:
         for traj in session.trajectories:
             if traj.tools != tools:
                 continue
-            common = next((i for i, (a, b) in enumerate(zip(keys, traj.history)) if a != b),
-                          min(len(keys), len(traj.history)))
+            common = next(
+                (i for i, (a, b) in enumerate(zip(keys, traj.history)) if a != b), min(len(keys), len(traj.history))
+            )
             replies = {m - 1 for m, _, _ in traj.points}  # where the model's own replies sit in the history
             if common in replies and common < len(keys) and keys[common][0] == "assistant":
                 mismatch = True  # the client sent back one of the model's replies changed
@@ -240,8 +255,13 @@ class SessionStore:
         if parent is not None:  # a branch at an earlier reply: the shared tokens are kept as they are
             m, t, after = parent.points[k]
             sample = _truncate(Sample.from_dict(json.loads(parent.sample.to_json())), t)
-            traj = self._new_trajectory(session, sample, tools, parent.sample.metadata["messages"][:m],
-                                        branch_of=session.trajectories.index(parent))
+            traj = self._new_trajectory(
+                session,
+                sample,
+                tools,
+                parent.sample.metadata["messages"][:m],
+                branch_of=session.trajectories.index(parent),
+            )
             traj.history = parent.history[:m]
             traj.points, traj.prompts = parent.points[: k + 1], parent.prompts[: k + 1]
         else:
@@ -254,11 +274,19 @@ class SessionStore:
         traj.sample.metadata["template_mismatch"] = mismatch
         return traj, messages[shared:], after
 
-    def _new_trajectory(self, session: Session, sample: Sample, tools: Any, messages: list[dict[str, Any]],
-                        branch_of: int | None) -> Trajectory:
+    def _new_trajectory(
+        self, session: Session, sample: Sample, tools: Any, messages: list[dict[str, Any]], branch_of: int | None
+    ) -> Trajectory:
         sample.index = len(session.trajectories)
-        sample.metadata = {**session.metadata, "session_id": session.id, "trajectory": sample.index,
-                           "branch_of": branch_of, "tools": tools, "messages": list(messages), "turns": 0}
+        sample.metadata = {
+            **session.metadata,
+            "session_id": session.id,
+            "trajectory": sample.index,
+            "branch_of": branch_of,
+            "tools": tools,
+            "messages": list(messages),
+            "turns": 0,
+        }
         traj = Trajectory(sample, tools)
         session.trajectories.append(traj)
         return traj

@@ -25,13 +25,14 @@ MAX_RESULT_CHARS = 4096
 
 async def _invoke(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     """Await an async tool; run a plain one in a thread so a slow tool cannot stall the event loop."""
-    if inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None)):
+    if inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(type(fn).__call__):
         return await fn(*args, **kwargs)
     return await asyncio.to_thread(fn, *args, **kwargs)
 
 
-async def execute(call: ToolCall, tools: dict[str, Callable[..., Any]], *, timeout_s: float,
-                  tool_fn: Callable[..., Any] | None = None) -> str:
+async def execute(
+    call: ToolCall, tools: dict[str, Callable[..., Any]], *, timeout_s: float, tool_fn: Callable[..., Any] | None = None
+) -> str:
     """One call's result text; errors and timeouts become text (the module docstring says why).
 
     A plain tool that times out keeps running in its thread until it returns (Python
@@ -52,8 +53,13 @@ async def execute(call: ToolCall, tools: dict[str, Callable[..., Any]], *, timeo
     return text if len(text) <= MAX_RESULT_CHARS else text[:MAX_RESULT_CHARS] + "...[truncated]"
 
 
-async def execute_all(calls: list[ToolCall], tools: dict[str, Callable[..., Any]], *, timeout_s: float,
-                      tool_fn: Callable[..., Any] | None = None) -> list[dict[str, Any]]:
+async def execute_all(
+    calls: list[ToolCall],
+    tools: dict[str, Callable[..., Any]],
+    *,
+    timeout_s: float,
+    tool_fn: Callable[..., Any] | None = None,
+) -> list[dict[str, Any]]:
     """Run a turn's calls concurrently; one `tool` message per call, in the order they were made."""
     results = await asyncio.gather(*(execute(c, tools, timeout_s=timeout_s, tool_fn=tool_fn) for c in calls))
     return [{"role": "tool", "tool_call_id": c.id, "name": c.name, "content": r} for c, r in zip(calls, results)]

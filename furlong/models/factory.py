@@ -88,8 +88,13 @@ def _key(arch: str, size: str, seed: int, max_positions: int = DEFAULT_POSITIONS
     return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def create_model(arch: str = "qwen3", size: str = "tiny", out: str | Path | None = None, seed: int = 0,
-                 max_positions: int = DEFAULT_POSITIONS) -> Path:
+def create_model(
+    arch: str = "qwen3",
+    size: str = "tiny",
+    out: str | Path | None = None,
+    seed: int = 0,
+    max_positions: int = DEFAULT_POSITIONS,
+) -> Path:
     """Build (or reuse) a model directory and return its path.
 
     `max_positions` is the context length (RoPE positions); agent harnesses with long
@@ -141,8 +146,17 @@ def _build(arch: str, size: str, seed: int, dest: Path, key: str, max_positions:
     tokenizer.save_pretrained(tmp)
     n_params = sum(p.numel() for p in model.parameters())
     (tmp / "furlong_model.json").write_text(
-        json.dumps({"key": key, "arch": arch, "size": size, "seed": seed, "max_positions": max_positions,
-                    "parameters": n_params}, indent=2)
+        json.dumps(
+            {
+                "key": key,
+                "arch": arch,
+                "size": size,
+                "seed": seed,
+                "max_positions": max_positions,
+                "parameters": n_params,
+            },
+            indent=2,
+        )
     )
     # Atomic publish: concurrent builders (parallel tests) never see a half-written dir.
     try:

@@ -11,8 +11,7 @@ from __future__ import annotations
 
 import random
 
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-from tokenizers import AddedToken
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import PreTrainedTokenizerFast
 
 EOS = "<|endoftext|>"
@@ -37,7 +36,7 @@ CHAT_TEMPLATE = (
     "{% if f.parameters is defined and f.parameters.properties is defined %}"
     "{{ f.parameters.properties | list | join(', ') }}{% endif %})"
     "{{ ': ' ~ f.description if f.description else '' }}\n{% endfor %}"
-    "Use <tool_call>{\"name\": ..., \"arguments\": ...}</tool_call><|im_end|>\n"
+    'Use <tool_call>{"name": ..., "arguments": ...}</tool_call><|im_end|>\n'
     "{% endif %}"
     "{% for message in messages %}"
     "{% if message.role == 'system' %}"
@@ -48,7 +47,7 @@ CHAT_TEMPLATE = (
     "<|im_start|>assistant\n{{ message.content or '' }}"
     "{% for tc in message.tool_calls or [] %}"
     "{% set f = tc.function if tc.function is defined else tc %}"
-    "<tool_call>{\"name\": \"{{ f.name }}\", \"arguments\": "
+    '<tool_call>{"name": "{{ f.name }}", "arguments": '
     "{% if f.arguments is string %}{{ f.arguments }}{% else %}{{ f.arguments | tojson }}{% endif %}"
     "}</tool_call>"
     "{% endfor %}<|im_end|>\n"
@@ -80,9 +79,13 @@ def _corpus(seed: int, n: int = 4000) -> list[str]:
         elif kind == 2:
             out.append(" ".join(rng.choice(words) for _ in range(rng.randrange(4, 16))))
         elif kind == 3:
-            out.append(f'{{"name": "calculator", "arguments": {{"expression": "{rng.randrange(99)}*{rng.randrange(99)}"}}}}')
+            out.append(
+                f'{{"name": "calculator", "arguments": {{"expression": "{rng.randrange(99)}*{rng.randrange(99)}"}}}}'
+            )
         else:
-            out.append(f"{IM_START}user\n{' '.join(rng.choice(words) for _ in range(6))}{IM_END}\n{IM_START}assistant\n")
+            out.append(
+                f"{IM_START}user\n{' '.join(rng.choice(words) for _ in range(6))}{IM_END}\n{IM_START}assistant\n"
+            )
     return out
 
 

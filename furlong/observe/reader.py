@@ -22,7 +22,19 @@ from typing import Any
 
 from furlong.observe.store import DB_NAME, PACKED, unpack
 
-SORTABLE = ("id", "step", "idx", "grp", "reward", "status", "staleness", "prompt_length", "response_length", "trained_tokens", "version_min")
+SORTABLE = (
+    "id",
+    "step",
+    "idx",
+    "grp",
+    "reward",
+    "status",
+    "staleness",
+    "prompt_length",
+    "response_length",
+    "trained_tokens",
+    "version_min",
+)
 ENGINE_METRIC = re.compile(r"^engine/([^/]+)/(.+)$")
 TABLES = ("spans", "metrics", "samples", "meta")
 TEXT_PREVIEW = 160
@@ -85,9 +97,16 @@ class RunReader:
     # ---------------------------------------------------------------- summary
     def summary(self) -> dict[str, Any]:
         out: dict[str, Any] = {
-            "run": self.run_dir.name, "run_dir": str(self.run_dir), "has_store": self.path.is_file(),
-            "steps": [], "workers": [], "counts": {t: 0 for t in ("spans", "metrics", "samples")},
-            "first_time": None, "last_time": None, "dropped_events": 0, "message": None,
+            "run": self.run_dir.name,
+            "run_dir": str(self.run_dir),
+            "has_store": self.path.is_file(),
+            "steps": [],
+            "workers": [],
+            "counts": {t: 0 for t in ("spans", "metrics", "samples")},
+            "first_time": None,
+            "last_time": None,
+            "dropped_events": 0,
+            "message": None,
         }
         cfg = self.run_dir / "config.yaml"
         out["config"] = cfg.read_text(errors="replace")[:20000] if cfg.is_file() else None
@@ -97,7 +116,11 @@ class RunReader:
                 return out
             steps: set[int] = set()
             times: list[float] = []
-            for t, time_cols in (("spans", "MIN(start), MAX(end)"), ("metrics", "MIN(time), MAX(time)"), ("samples", "MIN(time), MAX(time)")):
+            for t, time_cols in (
+                ("spans", "MIN(start), MAX(end)"),
+                ("metrics", "MIN(time), MAX(time)"),
+                ("samples", "MIN(time), MAX(time)"),
+            ):
                 if t in tables:
                     out["counts"][t] = db.execute(f"SELECT COUNT(*) FROM {t}").fetchone()[0]
                     steps |= {r[0] for r in db.execute(f"SELECT DISTINCT step FROM {t} WHERE step IS NOT NULL")}
@@ -105,7 +128,9 @@ class RunReader:
             if "spans" in tables:
                 out["workers"] = sorted((r[0] for r in db.execute("SELECT DISTINCT worker FROM spans")), key=_natural)
             if "meta" in tables:
-                out["dropped_events"] = sum(int(r[0]) for r in db.execute("SELECT value FROM meta WHERE key LIKE 'dropped_events:%'"))
+                out["dropped_events"] = sum(
+                    int(r[0]) for r in db.execute("SELECT value FROM meta WHERE key LIKE 'dropped_events:%'")
+                )
             out["steps"] = sorted(steps)
             out["first_time"], out["last_time"] = (min(times), max(times)) if times else (None, None)
         return out
@@ -128,7 +153,14 @@ class RunReader:
                     "SELECT step, AVG(reward), AVG(response_length), AVG(status='truncated'), AVG(status='aborted'),"
                     " AVG(staleness), COUNT(*) FROM samples GROUP BY step ORDER BY step"
                 )
-                keys = ("reward_mean", "response_length_mean", "truncated_frac", "aborted_frac", "staleness_mean", "count")
+                keys = (
+                    "reward_mean",
+                    "response_length_mean",
+                    "truncated_frac",
+                    "aborted_frac",
+                    "staleness_mean",
+                    "count",
+                )
                 for step, *vals in agg:
                     for k, v in zip(keys, vals):
                         series[f"samples/{k}"].append([step, finite(float(v)) if v is not None else None])
@@ -150,7 +182,11 @@ class RunReader:
         for e in engines:
             h = e["latest"].get("healthy")
             e["healthy"] = None if h is None else bool(h)
-        msg = None if engines else "no engine metrics recorded (names like engine/<id>/queue, engine/<id>/tokens_per_s, engine/<id>/healthy)"
+        msg = (
+            None
+            if engines
+            else "no engine metrics recorded (names like engine/<id>/queue, engine/<id>/tokens_per_s, engine/<id>/healthy)"
+        )
         return {"engines": engines, "message": msg}
 
     # ---------------------------------------------------------------- timeline
@@ -182,7 +218,15 @@ class RunReader:
             lane = lanes.setdefault(worker, {"worker": worker, "devices": [], "spans": []})
             if device and device not in lane["devices"]:
                 lane["devices"].append(device)
-            lane["spans"].append({"phase": phase, "step": step, "start": start, "end": end, "attrs": json.loads(attrs) if attrs else None})
+            lane["spans"].append(
+                {
+                    "phase": phase,
+                    "step": step,
+                    "start": start,
+                    "end": end,
+                    "attrs": json.loads(attrs) if attrs else None,
+                }
+            )
             if step is not None:
                 lo_hi = steps.setdefault(step, [start, end])
                 lo_hi[0], lo_hi[1] = min(lo_hi[0], start), max(lo_hi[1], end)
@@ -194,8 +238,16 @@ class RunReader:
 
     # ---------------------------------------------------------------- samples
     def samples(
-        self, *, step: int | None = None, status: str | None = None, group: int | None = None, q: str | None = None,
-        sort: str = "id", order: str = "asc", limit: int = 200, offset: int = 0,
+        self,
+        *,
+        step: int | None = None,
+        status: str | None = None,
+        group: int | None = None,
+        q: str | None = None,
+        sort: str = "id",
+        order: str = "asc",
+        limit: int = 200,
+        offset: int = 0,
     ) -> dict[str, Any]:
         if sort not in SORTABLE:
             raise RunError(400, f"sort={sort!r} is not one of {', '.join(SORTABLE)}")
@@ -213,8 +265,21 @@ class RunReader:
             if "samples" not in tables:
                 return {"total": 0, "rows": [], "statuses": [], "message": message}
             total = db.execute(f"SELECT COUNT(*) FROM samples {clause}", args).fetchone()[0]
-            cols = ("id", "step", "idx", "grp", "reward", "status", "status_reason", "staleness", "prompt_length",
-                    "response_length", "trained_tokens", "version_min", "version_max")
+            cols = (
+                "id",
+                "step",
+                "idx",
+                "grp",
+                "reward",
+                "status",
+                "status_reason",
+                "staleness",
+                "prompt_length",
+                "response_length",
+                "trained_tokens",
+                "version_min",
+                "version_max",
+            )
             rows = db.execute(
                 f"SELECT {', '.join(cols)}, substr(prompt_text, 1, {TEXT_PREVIEW}), substr(response_text, 1, {TEXT_PREVIEW})"
                 f" FROM samples {clause} ORDER BY {sort} {order.upper()} NULLS LAST, id LIMIT ? OFFSET ?",
@@ -233,10 +298,15 @@ class RunReader:
             message = self._empty_message(tables, "samples")
             if "samples" not in tables:
                 return {"groups": [], "message": message}
-            rows = db.execute(f"SELECT step, grp, reward, status, response_length, id FROM samples {clause} ORDER BY step, grp, idx", args).fetchall()
+            rows = db.execute(
+                f"SELECT step, grp, reward, status, response_length, id FROM samples {clause} ORDER BY step, grp, idx",
+                args,
+            ).fetchall()
         groups: dict[tuple[int, int], dict[str, Any]] = {}
         for step_, grp, reward, status, length, sid in rows:
-            g = groups.setdefault((step_, grp), {"step": step_, "group": grp, "rewards": [], "statuses": {}, "lengths": [], "ids": []})
+            g = groups.setdefault(
+                (step_, grp), {"step": step_, "group": grp, "rewards": [], "statuses": {}, "lengths": [], "ids": []}
+            )
             g["rewards"].append(reward)
             g["statuses"][status] = g["statuses"].get(status, 0) + 1
             g["lengths"].append(length)
@@ -247,9 +317,13 @@ class RunReader:
             lengths = g.pop("lengths")
             mean = sum(r) / len(r) if r else None
             g.update(
-                n=len(g["ids"]), reward_mean=mean, reward_min=min(r) if r else None, reward_max=max(r) if r else None,
+                n=len(g["ids"]),
+                reward_mean=mean,
+                reward_min=min(r) if r else None,
+                reward_max=max(r) if r else None,
                 reward_std=math.sqrt(sum((x - mean) ** 2 for x in r) / len(r)) if r else None,
-                zero_variance=len(r) > 1 and max(r) == min(r), length_mean=sum(lengths) / len(lengths),
+                zero_variance=len(r) > 1 and max(r) == min(r),
+                length_mean=sum(lengths) / len(lengths),
             )
             out.append(g)
         return {"groups": out, "message": message}

@@ -16,7 +16,10 @@ import sys
 import time
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
+
+if TYPE_CHECKING:
+    from furlong.config.schema import ObserveConfig
 
 log = logging.getLogger("furlong.observe")
 
@@ -42,7 +45,7 @@ class ConsoleSink:
 
 
 class JsonlSink:
-    """`metrics.jsonl`: one JSON object per call, `{"step", "time", **metrics}`; easy to grep and to load with pandas."""
+    """`metrics.jsonl`: one JSON object per call, `{"step", "time", **metrics}`; easy to grep, and to load in pandas."""
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
@@ -100,7 +103,9 @@ class MlflowSink:
         self._mlflow.end_run()
 
 
-def build_sinks(observe: Any, run_dir: str | Path, *, console: bool = True, config: Mapping[str, Any] | None = None) -> list[Any]:
+def build_sinks(
+    observe: ObserveConfig, run_dir: str | Path, *, console: bool = True, config: Mapping[str, Any] | None = None
+) -> list[Any]:
     """The sinks an `observe` config section asks for (plug-point sinks in `observe.sinks` are the caller's)."""
     run_dir = Path(run_dir)
     sinks: list[Any] = [ConsoleSink(every=observe.log_every)] if console else []
@@ -108,13 +113,14 @@ def build_sinks(observe: Any, run_dir: str | Path, *, console: bool = True, conf
         sinks.append(JsonlSink(run_dir / "metrics.jsonl"))
     if observe.tensorboard:
         sinks.append(TensorBoardSink(run_dir / "tensorboard"))
-    for flag, make in (
-        ("wandb", lambda: WandbSink(observe.project, run_dir, config)),
-        ("mlflow", lambda: MlflowSink(observe.project, run_dir)),
+    for flag, wanted, make in (
+        ("wandb", observe.wandb, lambda: WandbSink(observe.project, run_dir, config)),
+        ("mlflow", observe.mlflow, lambda: MlflowSink(observe.project, run_dir)),
     ):
-        if getattr(observe, flag):
-            if importlib.util.find_spec(flag) is None:
-                log.warning("observe.%s=true but %s is not installed: skipped", flag, flag)
-            else:
-                sinks.append(make())
+        if not wanted:
+            continue
+        if importlib.util.find_spec(flag) is None:
+            log.warning("observe.%s=true but %s is not installed: skipped", flag, flag)
+        else:
+            sinks.append(make())
     return sinks

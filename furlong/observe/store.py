@@ -193,7 +193,9 @@ class EventStore:
 
     # ---------------------------------------------------------------- public API
     @contextmanager
-    def span(self, worker: str, phase: str, step: int | None = None, *, device: str = "", **attrs: Any) -> Iterator[None]:
+    def span(
+        self, worker: str, phase: str, step: int | None = None, *, device: str = "", **attrs: Any
+    ) -> Iterator[None]:
         """Time a block as one span of `worker` (a timeline lane) in `phase` during `step`."""
         start = time.time()
         try:
@@ -259,15 +261,28 @@ class EventStore:
             policy_versions = [v for v, src in zip(s.token_versions, s.token_sources) if src == "policy" and v >= 0]
             batch.append(
                 {
-                    "step": int(step), "index": s.index, "group": s.group_index, "reward": s.reward,
-                    "status": Status(s.status).value, "reason": s.status_reason, "staleness": stale,
-                    "prompt": s.prompt, "prompt_length": s.prompt_length, "response_length": n,
-                    "response_text": s.metadata.get("response_text"), "time": now,
+                    "step": int(step),
+                    "index": s.index,
+                    "group": s.group_index,
+                    "reward": s.reward,
+                    "status": Status(s.status).value,
+                    "reason": s.status_reason,
+                    "staleness": stale,
+                    "prompt": s.prompt,
+                    "prompt_length": s.prompt_length,
+                    "response_length": n,
+                    "response_text": s.metadata.get("response_text"),
+                    "time": now,
                     "versions": (min(policy_versions), max(policy_versions)) if policy_versions else (None, None),
-                    "ids": list(s.response_tokens), "logprob": list(s.rollout_logprobs),
-                    "train_logprob": _floats(train_logprobs[i] if train_logprobs is not None else None, n, "train_logprobs", s.index),
+                    "ids": list(s.response_tokens),
+                    "logprob": list(s.rollout_logprobs),
+                    "train_logprob": _floats(
+                        train_logprobs[i] if train_logprobs is not None else None, n, "train_logprobs", s.index
+                    ),
                     "advantage": _floats(advantages[i] if advantages is not None else None, n, "advantages", s.index),
-                    "loss_mask": list(s.loss_mask), "version": list(s.token_versions), "source": list(s.token_sources),
+                    "loss_mask": list(s.loss_mask),
+                    "version": list(s.token_versions),
+                    "source": list(s.token_sources),
                     "teacher_logprob": list(s.teacher_logprobs) if s.teacher_logprobs is not None else None,
                 }
             )
@@ -302,7 +317,7 @@ class EventStore:
         if self.dropped:
             log.warning("event store %s: %d events were dropped (queue full or write failed)", self.path, self.dropped)
 
-    def __enter__(self) -> "EventStore":
+    def __enter__(self) -> EventStore:
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -417,14 +432,37 @@ class EventStore:
         blob = json.dumps(tokens, separators=(",", ":"), default=_json_default)
         vmin, vmax = d["versions"]
         return (
-            d["step"], d["index"], d["group"], reward, detail, d["status"], d["reason"], d["staleness"],
-            d["prompt_length"], d["response_length"], sum(d["loss_mask"]), vmin, vmax, prompt, response, d["time"], blob,
+            d["step"],
+            d["index"],
+            d["group"],
+            reward,
+            detail,
+            d["status"],
+            d["reason"],
+            d["staleness"],
+            d["prompt_length"],
+            d["response_length"],
+            sum(d["loss_mask"]),
+            vmin,
+            vmax,
+            prompt,
+            response,
+            d["time"],
+            blob,
         )
 
 
 # Per-token numbers are stored as base64 of little-endian arrays (int32 'i', float32 'f'): ~4x smaller than
 # JSON numbers and ~5x cheaper to encode, which is most of the writer's work. float32 is ample for log-probs.
-PACKED = {"ids": "i", "logprob": "f", "train_logprob": "f", "advantage": "f", "loss_mask": "b", "version": "i", "teacher_logprob": "f"}
+PACKED = {
+    "ids": "i",
+    "logprob": "f",
+    "train_logprob": "f",
+    "advantage": "f",
+    "loss_mask": "b",
+    "version": "i",
+    "teacher_logprob": "f",
+}
 
 
 def pack(values: list[Any] | None, code: str) -> str | None:

@@ -55,7 +55,7 @@ class Group:
         }
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "Group":
+    def from_dict(cls, d: dict[str, Any]) -> Group:
         return cls(
             seq=int(d["seq"]),
             prompt_index=int(d["prompt_index"]),

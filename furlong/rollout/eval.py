@@ -20,9 +20,9 @@ from collections.abc import Callable
 from math import comb
 from typing import Any
 
+from furlong.core.sample import Sample, Status
 from furlong.rollout.generate import RolloutContext, derive_seed
 from furlong.rollout.rewards import SCORABLE, score_sample
-from furlong.core.sample import Sample, Status
 
 MAX_ATTEMPTS = 3
 
@@ -42,10 +42,14 @@ def k_values(n: int) -> list[int]:
 
 
 async def _one(
-    ctx: RolloutContext, generate_fn: Callable[..., Any], reward_fn: Callable[..., Any], sample: Sample, params: dict[str, Any]
+    ctx: RolloutContext,
+    generate_fn: Callable[..., Any],
+    reward_fn: Callable[..., Any],
+    sample: Sample,
+    params: dict[str, Any],
 ) -> Sample:
     """Generate (resuming after an abort, retrying an engine error) and score one eval sample."""
-    for attempt in range(MAX_ATTEMPTS):
+    for _attempt in range(MAX_ATTEMPTS):
         try:
             sample = await generate_fn(ctx, sample, params)
         except Exception as e:  # noqa: BLE001
@@ -77,12 +81,28 @@ async def evaluate(
     for i, (p, ids) in enumerate(prompts):
         row = []
         for j in range(n_samples):
-            s = Sample(index=i * n_samples + j, group_index=i, prompt=p.prompt, tokens=list(ids), label=p.label, metadata=dict(p.metadata or {}))
-            jobs.append(_one(ctx, generate_fn, reward_fn, s, {**sampling_params, "seed": derive_seed("eval", seed, p.index, j)}))
+            s = Sample(
+                index=i * n_samples + j,
+                group_index=i,
+                prompt=p.prompt,
+                tokens=list(ids),
+                label=p.label,
+                metadata=dict(p.metadata or {}),
+            )
+            jobs.append(
+                _one(ctx, generate_fn, reward_fn, s, {**sampling_params, "seed": derive_seed("eval", seed, p.index, j)})
+            )
             row.append(len(jobs) - 1)
         sampled.append(row)
         if greedy:
-            s = Sample(index=i, group_index=i, prompt=p.prompt, tokens=list(ids), label=p.label, metadata=dict(p.metadata or {}))
+            s = Sample(
+                index=i,
+                group_index=i,
+                prompt=p.prompt,
+                tokens=list(ids),
+                label=p.label,
+                metadata=dict(p.metadata or {}),
+            )
             jobs.append(_one(ctx, generate_fn, reward_fn, s, {**sampling_params, "temperature": 0.0, "seed": 0}))
             greedy_samples.append(len(jobs) - 1)
     done = await asyncio.gather(*jobs)
@@ -96,7 +116,9 @@ async def evaluate(
         metrics[f"eval/pass@{k}"] = sum(pass_at_k(n_samples, c, k) for c in counts) / len(counts)
     scored = [done[j] for row in sampled for j in row if done[j].reward is not None]
     metrics["eval/mean_reward"] = sum(s.scalar_reward for s in scored) / len(scored) if scored else 0.0
-    metrics["eval/mean_response_length"] = sum(done[j].response_length for row in sampled for j in row) / (len(prompts) * n_samples)
+    metrics["eval/mean_response_length"] = sum(done[j].response_length for row in sampled for j in row) / (
+        len(prompts) * n_samples
+    )
     metrics["eval/failed"] = float(sum(Status(s.status) == Status.FAILED for s in done))
     if greedy:
         metrics["eval/greedy_accuracy"] = sum(correct(done[j]) for j in greedy_samples) / len(greedy_samples)

@@ -23,8 +23,8 @@ from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
-from furlong.rollout.rewards import call
 from furlong.core.sample import Sample, Status
+from furlong.rollout.rewards import call
 
 
 def zero_variance(samples: list[Sample]) -> str | None:

@@ -18,11 +18,13 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass
 from itertools import groupby
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from furlong.core.client import EngineClient, EngineError
 from furlong.core.sample import Sample, Source, Status
-from furlong.data.chat import encode_prompt
+
+if TYPE_CHECKING:
+    from furlong.config.schema import EnvsConfig, RolloutConfig
 
 FINISH_STATUS = {"stop": Status.COMPLETED, "length": Status.TRUNCATED, "abort": Status.ABORTED}
 
@@ -34,8 +36,8 @@ class RolloutContext:
 
     client: EngineClient
     tokenizer: Any = None
-    config: Any = None
-    envs: Any = None
+    config: RolloutConfig | None = None
+    envs: EnvsConfig | None = None
 
 
 def derive_seed(*parts: Any) -> int:
@@ -79,7 +81,9 @@ def apply_response(sample: Sample, out: dict[str, Any], tokenizer: Any = None) -
     start = 0
     for version, run in groupby(versions):  # Sample.append stamps one version per call
         n = len(list(run))
-        sample.append(ids[start : start + n], source=Source.POLICY, logprobs=logprobs[start : start + n], version=int(version))
+        sample.append(
+            ids[start : start + n], source=Source.POLICY, logprobs=logprobs[start : start + n], version=int(version)
+        )
         start += n
     sample.status = FINISH_STATUS[reason]
     sample.status_reason = "" if reason != "abort" else "aborted by the engine"

@@ -40,6 +40,12 @@ requests in flight; the engine returns the tokens generated so far, and after
 `token_versions` show the mix of versions. Without it, requests in flight carry on
 through the sync (the driver pauses the engines in retract or in_place mode).
 
+Plug points arrive as functions (PLUG_ARGS): the composition root loads the config's
+dotted paths once, at start, and checks them against the registry's protocols, so
+the manager imports nothing above its floor (a black-box `rollout.agent_fn` comes as
+the generate function that runs it) and a path it was not handed is an error, never
+a knob that silently does nothing.
+
 Accounting: every prompt taken is trained, filtered with a reason, or still in the
 buffer — `stats()["balanced"]` checks `prompts_taken == groups_trained +
 sum(filtered) + in_buffer`; regenerations are counted separately, by reason.
@@ -53,25 +59,22 @@ from collections import Counter
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from furlong.rollout.buffer import TERMINAL, Group, GroupBuffer
 from furlong.core.client import EngineClient
-from furlong.rollout.eval import evaluate
-from furlong.rollout.filters import apply_sample_filter, group_drop_reason, zero_variance
-from furlong.data.chat import encode_prompt
-from furlong.rollout.generate import RolloutContext, derive_seed, generate, reset_response
-from furlong.rollout.rewards import SCORABLE, call, load_fn, score_group, score_sample, task_reward
 from furlong.core.sample import Sample, Status
 from furlong.core.version import WeightVersion
+from furlong.data.chat import encode_prompt
+from furlong.rollout.buffer import TERMINAL, Group, GroupBuffer
+from furlong.rollout.eval import evaluate
+from furlong.rollout.filters import apply_sample_filter, group_drop_reason, zero_variance
+from furlong.rollout.generate import RolloutContext, derive_seed, generate, reset_response
+from furlong.rollout.plugs import PLUG_ARGS, RolloutExhausted, check_given
+from furlong.rollout.rewards import SCORABLE, call, score_group, score_sample, task_reward
 
 if TYPE_CHECKING:
-    from furlong.config.schema import RolloutConfig
+    from furlong.config.schema import EnvsConfig, RolloutConfig
 
 MODES = ("sync", "overlap", "async")
 STATE_VERSION = 1
-
-
-class RolloutExhausted(RuntimeError):
-    """The data source ran out before a full batch could be made."""
 
 
 class RolloutManager:
@@ -88,18 +91,25 @@ class RolloutManager:
         eval_prompts: list[Any] | None = None,
         initial_version: int = 0,
         max_sample_attempts: int = 3,
-        envs: Any = None,
+        envs: EnvsConfig | None = None,
         generate_fn: Callable[..., Any] | None = None,
         reward_fn: Callable[..., Any] | None = None,
         group_reward_fn: Callable[..., Any] | None = None,
         dynamic_filter_fn: Callable[..., Any] | None = None,
         sample_filter_fn: Callable[..., Any] | None = None,
         reward_post_fn: Callable[..., Any] | None = None,
+        eval_fn: Callable[..., Any] | None = None,
+        buffer_factory: Callable[[int], Any] | None = None,
         weights: WeightVersion | None = None,
     ):
         """`weights`: the run's weight-version owner (the driver's); without one the manager keeps its own,
-        starting at `initial_version`. `reward_post_fn` reshapes each whole batch's rewards before training."""
+        starting at `initial_version`. `reward_post_fn` reshapes each whole batch's rewards before training.
+
+        The plug points come as functions (see PLUG_ARGS), each None for the built-in: `generate`, the
+        task's reward, `zero_variance` when `dynamic_filter` is on, the built-in eval, `GroupBuffer`.
+        `rollout.agent_fn` is run by the generate function the caller passes (`furlong.envs.agent.generate`)."""
         c = config
+        check_given(c, {arg: value for arg, value in locals().items() if arg in PLUG_ARGS})  # the plug-point kwargs
         if c.mode not in MODES:
             raise ValueError(f"rollout.mode: must be one of {MODES}, got {c.mode!r}")
         if c.rollout_batch_size < 1 or c.n_samples_per_prompt < 1:
@@ -117,28 +127,23 @@ class RolloutManager:
         self.window = math.ceil(c.rollout_batch_size * c.over_sampling)
         capacity = self.window
         if self.mode == "async":
-            capacity = getattr(c, "max_buffer_groups", None) or 2 * self.window
-        self.buffer = (load_fn(getattr(c, "buffer", None), "rollout.buffer") or GroupBuffer)(capacity)
+            capacity = c.max_buffer_groups or 2 * self.window
+        self.buffer = (buffer_factory or GroupBuffer)(capacity)
         self.bound = {"sync": 0, "overlap": max(1, c.max_staleness), "async": c.max_staleness}[self.mode]
         # Sync never drops its over-sampling surplus: it is regenerated on the new weights.
-        self.stale_policy = "retry" if self.mode == "sync" else getattr(c, "stale_policy", "retry")
+        self.stale_policy = "retry" if self.mode == "sync" else c.stale_policy
         self.partial = bool(c.partial_rollout)
 
-        self.generate_fn = generate_fn or load_fn(getattr(c, "generate_fn", None), "rollout.generate_fn")
-        if self.generate_fn is None and getattr(c, "agent_fn", None):  # a black-box agent, through a TITO session
-            from furlong.envs.agent import generate as agent_generate
-
-            self.generate_fn = agent_generate
-        self.generate_fn = self.generate_fn or generate
-        self.group_reward_fn = group_reward_fn or load_fn(getattr(c, "group_reward_fn", None), "rollout.group_reward_fn")
-        self.reward_fn = reward_fn or load_fn(getattr(c, "reward_fn", None), "rollout.reward_fn")
+        self.generate_fn = generate_fn or generate
+        self.group_reward_fn = group_reward_fn
+        self.reward_fn = reward_fn
         if self.reward_fn is None and self.group_reward_fn is None:
             self.reward_fn = task_reward
-        self.dynamic_filter_fn = dynamic_filter_fn or load_fn(getattr(c, "dynamic_filter_fn", None), "rollout.dynamic_filter_fn")
-        if self.dynamic_filter_fn is None and getattr(c, "dynamic_filter", False):
+        self.dynamic_filter_fn = dynamic_filter_fn
+        if self.dynamic_filter_fn is None and c.dynamic_filter:
             self.dynamic_filter_fn = zero_variance
-        self.sample_filter_fn = sample_filter_fn or load_fn(getattr(c, "sample_filter_fn", None), "rollout.sample_filter_fn")
-        self.eval_fn = load_fn(getattr(c, "eval_fn", None), "rollout.eval_fn")
+        self.sample_filter_fn = sample_filter_fn
+        self.eval_fn = eval_fn
         self.reward_post_fn = reward_post_fn
 
         self._own_weights = weights is None  # a manager alone (tests, tools) owns its version; in a run the driver does
@@ -215,28 +220,32 @@ class RolloutManager:
 
     async def maybe_evaluate(self, step: int) -> dict[str, float] | None:
         """Eval metrics when `eval_every` divides `step` (and held-out prompts were given), else None."""
-        every = getattr(self.config, "eval_every", 0)
+        every = self.config.eval_every
         if not self.eval_prompts or not every or step % every:
             return None
         return await self.evaluate(step)
 
     async def evaluate(self, step: int = 0) -> dict[str, float]:
-        """Held-out metrics: `rollout.eval_fn` if set, else pass@k over `eval_n_samples` samples and greedy accuracy."""
+        """Held-out metrics: `rollout.eval_fn` if given, else pass@k over `eval_n_samples` samples and greedy accuracy.
+
+        An eval function is called as the registry's `EvalFn` protocol says: (ctx, [(prompt, prompt ids)]) and
+        every offered keyword (n_samples, sampling_params, reward_fn, generate_fn, seed, step); one loaded
+        through the registry sees only those it declares."""
         held = not self._running.is_set()
         self.client.release()  # eval runs between steps, when sync mode holds the client
+        pairs = [(p, self._encode(p)) for p in self.eval_prompts]
+        offered = {
+            "n_samples": self.config.eval_n_samples,
+            "sampling_params": self._base_params(),
+            "reward_fn": self.reward_fn or task_reward,
+            "generate_fn": self.generate_fn,
+            "seed": self.seed,
+        }
         try:
-            if self.eval_fn is not None:
-                metrics = await call(self.eval_fn, self.ctx, self.eval_prompts, step)
+            if self.eval_fn is not None:  # the `EvalFn` protocol: (ctx, pairs) plus the offered keywords
+                metrics = await call(self.eval_fn, self.ctx, pairs, **offered, step=step)
             else:
-                metrics = await evaluate(
-                    self.ctx,
-                    [(p, self._encode(p)) for p in self.eval_prompts],
-                    n_samples=getattr(self.config, "eval_n_samples", 1),
-                    sampling_params=self._base_params(),
-                    reward_fn=self.reward_fn or task_reward,
-                    generate_fn=self.generate_fn,
-                    seed=self.seed,
-                )
+                metrics = await evaluate(self.ctx, pairs, **offered)
         finally:
             if held:
                 self.client.hold()
@@ -300,7 +309,9 @@ class RolloutManager:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state.get("version") != STATE_VERSION:
-            raise ValueError(f"RolloutManager.load_state_dict: state version {state.get('version')!r}, expected {STATE_VERSION}")
+            raise ValueError(
+                f"RolloutManager.load_state_dict: state version {state.get('version')!r}, expected {STATE_VERSION}"
+            )
         if len(self.buffer) or self._producer is not None:
             raise RuntimeError("RolloutManager.load_state_dict: call it before the first next_batch")
         if self._own_weights:  # in a run the driver restores its owner from its own checkpoint state
@@ -414,7 +425,7 @@ class RolloutManager:
             "top_k": c.top_k,
             "max_new_tokens": c.max_new_tokens,
         }
-        if getattr(c, "stop", None):
+        if c.stop:
             params["stop"] = list(c.stop)
         return params
 
@@ -436,7 +447,10 @@ class RolloutManager:
                 else:
                     reset_response(s)
                     self._counts["sample_restarts"] += 1
-            params = {**self._base_params(), "seed": derive_seed(self.seed, group.prompt_index, group.seq, j, s.response_length)}
+            params = {
+                **self._base_params(),
+                "seed": derive_seed(self.seed, group.prompt_index, group.seq, j, s.response_length),
+            }
             try:
                 s = group.samples[j] = await self.generate_fn(self.ctx, s, params)
                 if Status(s.status) == Status.PENDING:

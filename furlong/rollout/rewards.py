@@ -19,7 +19,6 @@ is not starved.
 
 from __future__ import annotations
 
-import importlib
 import inspect
 import math
 from collections.abc import Callable
@@ -31,25 +30,9 @@ Reward = float | dict[str, float]
 SCORABLE = (Status.COMPLETED, Status.TRUNCATED)
 
 
-def load_fn(spec: str | Callable[..., Any] | None, key: str) -> Callable[..., Any] | None:
-    """Resolve a plug point given as a callable or `package.module:function`; errors name the config key."""
-    if spec is None or callable(spec):
-        return spec
-    module, sep, name = str(spec).partition(":")
-    if not sep or not module or not name:
-        raise ValueError(f"{key}: {spec!r} is not of the form 'package.module:function'")
-    try:
-        fn = getattr(importlib.import_module(module), name)
-    except (ImportError, AttributeError) as e:
-        raise ValueError(f"{key}: cannot load {spec!r}: {e}") from e
-    if not callable(fn):
-        raise ValueError(f"{key}: {spec!r} is not callable")
-    return fn
-
-
-async def call(fn: Callable[..., Any], *args: Any) -> Any:
+async def call(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     """Call a sync or async function alike."""
-    out = fn(*args)
+    out = fn(*args, **kwargs)
     return await out if inspect.isawaitable(out) else out
 
 
@@ -59,7 +42,9 @@ def task_reward(sample: Sample) -> float:
 
     task = sample.metadata.get("task")
     if task is None:
-        raise ValueError("sample metadata has no 'task'; set rollout.reward_fn for prompts that are not synthetic tasks")
+        raise ValueError(
+            "sample metadata has no 'task'; set rollout.reward_fn for prompts that are not synthetic tasks"
+        )
     return float(get_task(task).score(sample.metadata.get("response_text", ""), sample.label))
 
 

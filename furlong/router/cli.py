@@ -26,18 +26,33 @@ from furlong.router.policies import POLICIES
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="furlong router", description="Route requests across engine servers.")
-    p.add_argument("--engine", action="append", default=[], metavar="URL",
-                   help="engine base URL, e.g. http://127.0.0.1:30001 (repeat for more)")
+    p.add_argument(
+        "--engine",
+        action="append",
+        default=[],
+        metavar="URL",
+        help="engine base URL, e.g. http://127.0.0.1:30001 (repeat for more)",
+    )
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=30000, help="port to bind (default 30000)")
-    p.add_argument("--policy", choices=POLICIES, default="least_inflight",
-                   help="placement of requests without a routing key (default least_inflight)")
-    p.add_argument("--admin-token", default=None,
-                   help="token required (Authorization: Bearer) by control and add/remove endpoints")
+    p.add_argument(
+        "--policy",
+        choices=POLICIES,
+        default="least_inflight",
+        help="placement of requests without a routing key (default least_inflight)",
+    )
+    p.add_argument(
+        "--admin-token", default=None, help="token required (Authorization: Bearer) by control and add/remove endpoints"
+    )
     p.add_argument("--health-interval", type=float, default=2.0, metavar="S", help="seconds between health probes")
     p.add_argument("--health-timeout", type=float, default=2.0, metavar="S", help="a probe slower than this fails")
-    p.add_argument("--unhealthy-after", type=int, default=2, metavar="N",
-                   help="consecutive failed probes before quarantine (a failed request quarantines at once)")
+    p.add_argument(
+        "--unhealthy-after",
+        type=int,
+        default=2,
+        metavar="N",
+        help="consecutive failed probes before quarantine (a failed request quarantines at once)",
+    )
     p.add_argument("--max-retries", type=int, default=2, help="other engines to try when one dies (default 2)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return p
@@ -54,9 +69,15 @@ def main(argv: list[str] | None = None) -> int:
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
-        router = Router(args.engine, policy=args.policy, admin_token=args.admin_token,
-                        health_interval=args.health_interval, health_timeout=args.health_timeout,
-                        unhealthy_after=args.unhealthy_after, max_retries=args.max_retries)
+        router = Router(
+            args.engine,
+            policy=args.policy,
+            admin_token=args.admin_token,
+            health_interval=args.health_interval,
+            health_timeout=args.health_timeout,
+            unhealthy_after=args.unhealthy_after,
+            max_retries=args.max_retries,
+        )
     except ValueError as e:
         field, _, problem = str(e).partition(":")  # messages start with the field they blame
         parser.error(f"--{field.replace('_', '-')}:{problem}")

@@ -110,7 +110,7 @@ class EnginePool:
             async with self.client.get(engine.url + "/health", timeout=aiohttp.ClientTimeout(total=self.timeout)) as r:
                 await r.read()
                 ok, reason = r.status == 200, f"/health returned {r.status}"
-        except asyncio.TimeoutError:
+        except TimeoutError:
             ok, reason = False, f"/health timed out after {self.timeout:g}s"
         except aiohttp.ClientError as e:
             ok, reason = False, f"/health failed: {type(e).__name__}: {e}"

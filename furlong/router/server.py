@@ -82,8 +82,18 @@ CONTROL = (
 RETRY_STATUSES = (502, 503)
 # Not forwarded in either direction: they describe one hop, not the message.
 _HOP_HEADERS = frozenset(
-    {"host", "content-length", "connection", "keep-alive", "transfer-encoding", "te", "trailer", "upgrade",
-     "proxy-authorization", "proxy-authenticate"}
+    {
+        "host",
+        "content-length",
+        "connection",
+        "keep-alive",
+        "transfer-encoding",
+        "te",
+        "trailer",
+        "upgrade",
+        "proxy-authorization",
+        "proxy-authenticate",
+    }
 )
 
 
@@ -116,8 +126,9 @@ class Router:
         if max_retries < 0:
             raise ValueError(f"max_retries: must be >= 0, got {max_retries}")
         self.policy = Policy(policy)
-        self.pool = EnginePool(engines, interval=health_interval, timeout=health_timeout,
-                               unhealthy_after=unhealthy_after)
+        self.pool = EnginePool(
+            engines, interval=health_interval, timeout=health_timeout, unhealthy_after=unhealthy_after
+        )
         self.admin_token = admin_token or None
         self.max_retries = max_retries
         self.connect_timeout = connect_timeout
@@ -193,7 +204,13 @@ class Router:
         return error(503, self._unavailable(path, problems))
 
     async def _send(
-        self, engine: Engine, method: str, path: str, raw: bytes, headers: dict[str, str], query: str,
+        self,
+        engine: Engine,
+        method: str,
+        path: str,
+        raw: bytes,
+        headers: dict[str, str],
+        query: str,
         problems: list[str],
     ) -> Response | None:
         """One attempt on one engine; None (and the engine quarantined) if it failed."""
@@ -213,7 +230,7 @@ class Router:
                 content = await resp.read()
                 engine.served += 1
                 return Response(content, status_code=resp.status, headers=_response_headers(resp, engine))
-        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+        except (TimeoutError, aiohttp.ClientError) as e:
             reason = f"{path} failed: {type(e).__name__}: {e}"
         finally:
             if not streaming:
@@ -284,7 +301,7 @@ class Router:
         try:
             async with self.client.post(engine.url + path, data=raw, headers=headers, timeout=timeout) as r:
                 status, content = r.status, await r.read()
-        except asyncio.TimeoutError:  # slow (a big weight load), not dead: the health probe decides
+        except TimeoutError:  # slow (a big weight load), not dead: the health probe decides
             return {"ok": False, "status": 504, "error": f"no answer within {self.control_timeout}s"}
         except aiohttp.ClientError as e:
             reason = f"{type(e).__name__}: {e}"
@@ -312,13 +329,17 @@ class Router:
         lines = ["# TYPE furlong_router_requests_total counter"]
         for name, value in sorted(self.counts.items()):
             if name.startswith("requests/"):
-                lines.append(f'furlong_router_requests_total{{path="{name[len("requests"):]}"}} {value}')
-        lines += ["# TYPE furlong_router_retries_total counter",
-                  f"furlong_router_retries_total {self.counts['retries']}"]
+                lines.append(f'furlong_router_requests_total{{path="{name[len("requests") :]}"}} {value}')
+        lines += [
+            "# TYPE furlong_router_retries_total counter",
+            f"furlong_router_retries_total {self.counts['retries']}",
+        ]
         engines = list(self.pool.engines.values())
-        for metric, kind, attr in (("engine_inflight", "gauge", "inflight"),
-                                   ("engine_served_total", "counter", "served"),
-                                   ("engine_failures_total", "counter", "failures")):
+        for metric, kind, attr in (
+            ("engine_inflight", "gauge", "inflight"),
+            ("engine_served_total", "counter", "served"),
+            ("engine_failures_total", "counter", "failures"),
+        ):
             lines.append(f"# TYPE furlong_router_{metric} {kind}")
             lines += [f'furlong_router_{metric}{{engine="{e.url}"}} {getattr(e, attr)}' for e in engines]
         lines.append("# TYPE furlong_router_engine_healthy gauge")
@@ -378,7 +399,7 @@ class _Relay(StreamingResponse):
         try:
             async for chunk in self.upstream.content.iter_any():
                 yield chunk
-        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+        except (TimeoutError, aiohttp.ClientError) as e:
             reason = f"stream broke: {type(e).__name__}: {e}"
             self.pool.quarantine(self.engine, reason)
             message = f"engine {self.engine.url} failed mid-stream ({reason}); the output so far is incomplete"

@@ -66,7 +66,7 @@ class TrainBatch:
         return [len(s.tokens) for s in self.samples]
 
     @classmethod
-    def from_samples(cls, samples: list[Sample]) -> "TrainBatch":
+    def from_samples(cls, samples: list[Sample]) -> TrainBatch:
         """Validate every sample and pad its per-token lists to `[B, T]`."""
         if not samples:
             raise SampleError("train batch: no samples")
@@ -93,7 +93,7 @@ class TrainBatch:
             teacher_logprobs=_pad([s.teacher_logprobs for s in samples], T) if all(with_teacher) else None,
         )
 
-    def select(self, indices: list[int]) -> "TrainBatch":
+    def select(self, indices: list[int]) -> TrainBatch:
         """The sub-batch of `indices`, its T trimmed to its own longest response."""
         samples = [self.samples[i] for i in indices]
         T = max((s.response_length for s in samples), default=0)
@@ -135,7 +135,7 @@ class Packed:
     cols: torch.Tensor  # [N] response position within the sample
     shape: tuple[int, int]  # (B, T) of the padded per-token view
 
-    def to(self, device: torch.device | str) -> "Packed":
+    def to(self, device: torch.device | str) -> Packed:
         return replace(self, **{f.name: getattr(self, f.name).to(device) for f in fields(self) if f.name != "shape"})
 
     def scatter(self, flat: torch.Tensor) -> torch.Tensor:
@@ -158,7 +158,7 @@ def pack(samples: list[Sample]) -> Packed:
         cols.extend(range(r))
         offset += n
     T = max(s.response_length for s in samples)
-    long = lambda x: torch.tensor(x, dtype=torch.long)  # noqa: E731
+    long = lambda x: torch.tensor(x, dtype=torch.long)
     return Packed(long([ids]), long([pos]), long(flat), long(targets), long(rows), long(cols), (len(samples), T))
 
 

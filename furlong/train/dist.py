@@ -8,7 +8,8 @@ in-process use in tests and notebooks stays free.
 from __future__ import annotations
 
 import os
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -43,6 +44,21 @@ def init(rank: int, world_size: int, backend: str) -> torch.device:
             raise ValueError("trainer: world_size > 1 needs MASTER_PORT in the environment for the rendezvous")
         dist.init_process_group(backend, rank=rank, world_size=world_size)
     return device
+
+
+def close() -> None:
+    """Leave the process group: wait for every rank, then destroy it.
+
+    A rank whose interpreter exits while its gloo group is alive (and a peer still
+    mid-collective or mid-save) can abort in gloo's C++ threads with "terminate called
+    without an active exception". Ranks that end on their own call this first; Ray
+    actors are killed by the TrainerGroup instead and need not.
+    """
+    if not dist.is_initialized():
+        return
+    if dist.get_world_size() > 1:
+        dist.barrier()
+    dist.destroy_process_group()
 
 
 def shard(model: nn.Module, device: torch.device) -> nn.Module:

@@ -21,7 +21,7 @@ from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from furlong.config.registry import AdvantageFn, BeforeTrainStepFn, ConvertFn, CorrectionFn, LossFn, ReducerFn
+    from furlong.config.protocols import AdvantageFn, BeforeTrainStepFn, ConvertFn, CorrectionFn, LossFn, ReducerFn
 
 
 class PlugPointFailed(RuntimeError):
@@ -52,8 +52,12 @@ class TrainerHooks:
         registry knows a default function: the built-in path is the algorithm's own, and its
         errors keep their own types instead of being reported as a user plug point's.
         """
-        return cls(**{f.name: loaded.get(f"train.{f.name}") if getattr(train_cfg, f.name) is not None else None
-                      for f in fields(cls)})
+        return cls(
+            **{
+                f.name: loaded.get(f"train.{f.name}") if getattr(train_cfg, f.name) is not None else None
+                for f in fields(cls)
+            }
+        )
 
     def named(self) -> TrainerHooks:
         """A copy whose every function reports its failures as `PlugPointFailed` naming `train.<field>`."""

@@ -8,7 +8,8 @@ function itself is rebuilt from the config, never pickled.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Iterable
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 import torch
 

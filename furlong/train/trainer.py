@@ -28,9 +28,10 @@ import logging
 import math
 import time
 from collections import defaultdict
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import ModuleType
-from typing import TYPE_CHECKING, Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
@@ -223,7 +224,12 @@ class Trainer:
         if uses_ref:
             kl = self.losses.kl_estimate(batch.old_logprobs, batch.ref_logprobs, self.algo.kl_type)
         batch.advantages, batch.returns = self.losses.compute_advantages(
-            self.algo, batch.rewards, batch.group_index, batch.mask, values=batch.old_values, kl=kl,
+            self.algo,
+            batch.rewards,
+            batch.group_index,
+            batch.mask,
+            values=batch.old_values,
+            kl=kl,
             advantage_fn=self.hooks.advantage_fn,
         )
         return batch
@@ -322,8 +328,11 @@ class Trainer:
         lp, _ = self._logprobs(self.policy, packed, temperature=1.0)
         # SFT's own reducer is token_mean (a warm-up is plain cross-entropy); a train.reducer_fn replaces it too.
         loss, metrics = self.losses.sft_loss(
-            lp, sub.mask.to(self.device), self.hooks.reducer_fn or "token_mean",
-            constant=self.algo.reducer_constant, total_tokens=totals["total_tokens"],
+            lp,
+            sub.mask.to(self.device),
+            self.hooks.reducer_fn or "token_mean",
+            constant=self.algo.reducer_constant,
+            total_tokens=totals["total_tokens"],
             total_samples=totals["total_samples"],
         )
         return loss, metrics, {}
@@ -385,15 +394,23 @@ class Trainer:
             self.nonfinite_streak += 1
             for o in optimizers:
                 o.zero_grad(set_to_none=True)
-            log.warning("optimiser step %d skipped: loss %s, grad norm %s (%d in a row)",
-                        self.step, out["loss"], grad_norm, self.nonfinite_streak)
+            log.warning(
+                "optimiser step %d skipped: loss %s, grad norm %s (%d in a row)",
+                self.step,
+                out["loss"],
+                grad_norm,
+                self.nonfinite_streak,
+            )
         self.step += 1
         if finite and self.ref is not None and self.cfg.ref_update_every and self.step % self.cfg.ref_update_every == 0:
             with torch.no_grad():
                 for r, p in zip(self.ref.parameters(), self.policy.parameters()):
                     r.copy_(p)
-        return out | {"step": float(self.step), "nonfinite/skipped": float(not finite),
-                      "nonfinite/streak": float(self.nonfinite_streak)}
+        return out | {
+            "step": float(self.step),
+            "nonfinite/skipped": float(not finite),
+            "nonfinite/streak": float(self.nonfinite_streak),
+        }
 
     def _reduce_metrics(self, sums: dict[str, float], batch: TrainBatch) -> dict[str, float]:
         """Combine micro-batch and rank metrics: shares and counts add, maxima max, the rest token-weighted."""

@@ -34,8 +34,9 @@ engine. The driver's use, per sync:
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Callable, Iterable, Protocol
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -50,8 +51,9 @@ from furlong.weights.schema import Schema, check_against, engine_schema
 class WeightSender(Protocol):
     def connect(self, engine_urls: list[str], admin_token: str | None) -> None: ...
 
-    def push(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int, *,
-             pause_mode: str | None = None) -> SyncReport: ...
+    def push(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int, *, pause_mode: str | None = None
+    ) -> SyncReport: ...
 
     def close(self) -> None: ...
 
@@ -85,8 +87,15 @@ class Sender:
     transport = ""
     every_rank_sends = False  # p2p: True; else only trainer rank 0 talks to the engines
 
-    def __init__(self, bucket_mb: float = 64, timeout_s: float = 600.0, check_schema: bool = True, verify: bool = False,
-                 rank: int | None = None, world_size: int | None = None):
+    def __init__(
+        self,
+        bucket_mb: float = 64,
+        timeout_s: float = 600.0,
+        check_schema: bool = True,
+        verify: bool = False,
+        rank: int | None = None,
+        world_size: int | None = None,
+    ):
         if bucket_mb <= 0:
             raise ValueError(f"bucket_mb: must be positive, got {bucket_mb}")
         initialized = dist.is_available() and dist.is_initialized()
@@ -140,8 +149,9 @@ class Sender:
         self.close()
 
     # ------------------------------------------------------------------ push
-    def push(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int, *,
-             pause_mode: str | None = None) -> SyncReport:
+    def push(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int, *, pause_mode: str | None = None
+    ) -> SyncReport:
         """Send one full (or delta) set of weights and stamp `version` once on every engine.
 
         The iterable is drained first (references only: no copy) so the whole
@@ -180,8 +190,12 @@ class Sender:
         items: list[tuple[str, torch.Tensor]] = []
         seen: set[str] = set()
         for i, pair in enumerate(named_tensors):
-            if not (isinstance(pair, tuple) and len(pair) == 2 and isinstance(pair[0], str)
-                    and isinstance(pair[1], torch.Tensor)):
+            if not (
+                isinstance(pair, tuple)
+                and len(pair) == 2
+                and isinstance(pair[0], str)
+                and isinstance(pair[1], torch.Tensor)
+            ):
                 raise WeightSyncError(f"named_tensors[{i}]: expected a (name, Tensor) pair, got {type(pair).__name__}")
             if pair[0] in seen:
                 raise WeightSyncError(f"tensor {pair[0]!r}: given twice in one sync")
@@ -203,9 +217,12 @@ class Sender:
         The engine's current version goes on every other request (see the module docstring);
         a failure is recorded in the report, not raised, so the other engines carry on.
         """
-        return {u: self._lanes[u].submit(self._lane_post, u, request,
-                                         {**body, "weight_version": self._new_version if last else self._current[u]})
-                for u in self.urls}
+        return {
+            u: self._lanes[u].submit(
+                self._lane_post, u, request, {**body, "weight_version": self._new_version if last else self._current[u]}
+            )
+            for u in self.urls
+        }
 
     def _lane_post(self, url: str, request: Callable[..., dict[str, Any]], body: dict[str, Any]) -> None:
         res = self._report.engines[url]

@@ -25,8 +25,16 @@ from furlong.weights.tensors import dtype_name
 class BroadcastSender(Sender):
     transport = "broadcast"
 
-    def __init__(self, bucket_mb: float = 64, backend: str = "gloo", master_address: str = "127.0.0.1",
-                 master_port: int = 0, group_name: str = "weight_update_group", init_timeout_s: float = 60.0, **kw):
+    def __init__(
+        self,
+        bucket_mb: float = 64,
+        backend: str = "gloo",
+        master_address: str = "127.0.0.1",
+        master_port: int = 0,
+        group_name: str = "weight_update_group",
+        init_timeout_s: float = 60.0,
+        **kw,
+    ):
         super().__init__(bucket_mb=bucket_mb, **kw)
         if backend not in ("gloo", "nccl"):
             raise ValueError(f"backend: unknown backend {backend!r}; choose gloo or nccl")
@@ -40,16 +48,27 @@ class BroadcastSender(Sender):
             return
         port = self.master_port or free_port(self.master_address)
         world = len(self.urls) + 1
-        joins = {u: self._lanes[u].submit(
-            self.engines[u].init_weights_update_group, self.master_address, port, rank_offset=i + 1, world_size=world,
-            group_name=self.group_name, backend=self.backend, timeout_s=self.init_timeout_s,
-        ) for i, u in enumerate(self.urls)}
+        joins = {
+            u: self._lanes[u].submit(
+                self.engines[u].init_weights_update_group,
+                self.master_address,
+                port,
+                rank_offset=i + 1,
+                world_size=world,
+                group_name=self.group_name,
+                backend=self.backend,
+                timeout_s=self.init_timeout_s,
+            )
+            for i, u in enumerate(self.urls)
+        }
         try:
             self.group = init_group(self.master_address, port, world, 0, self.backend, self.init_timeout_s)
         except Exception as e:
             problems = [str(f.exception()) for f in joins.values() if f.done() and f.exception()]
-            raise WeightSyncError(f"broadcast: cannot form the group on {self.master_address}:{port}: {e}"
-                                  + (f" ({'; '.join(problems)})" if problems else "")) from None
+            raise WeightSyncError(
+                f"broadcast: cannot form the group on {self.master_address}:{port}: {e}"
+                + (f" ({'; '.join(problems)})" if problems else "")
+            ) from None
         self._wait(joins)
 
     def close(self) -> None:
@@ -69,9 +88,14 @@ class BroadcastSender(Sender):
         groups = buckets(items, self.bucket_bytes)
         for k, group in enumerate(groups):
             last = k == len(groups) - 1
-            futures = self._post_all(EngineControl.update_weights_from_distributed, last,
-                                     names=[n for n, _ in group], dtypes=[dtype_name(t.dtype) for _, t in group],
-                                     shapes=[list(t.shape) for _, t in group], group_name=self.group_name)
+            futures = self._post_all(
+                EngineControl.update_weights_from_distributed,
+                last,
+                names=[n for n, _ in group],
+                dtypes=[dtype_name(t.dtype) for _, t in group],
+                shapes=[list(t.shape) for _, t in group],
+                group_name=self.group_name,
+            )
             for _, t in group:
                 broadcast(self.group, t.detach().to(device).contiguous(), 0)
             self._wait(futures)

@@ -17,8 +17,8 @@ engine's dtype before hashing, so a bf16 engine fed fp32 weights still matches.
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Iterable, Mapping
 
 import torch
 
@@ -49,14 +49,20 @@ def engine_checksums(engine: EngineControl, names: list[str] | None = None) -> d
         return engine.weights_checksum(names)
     except EngineError as e:
         if e.status in (404, 405):
-            raise VerifyUnsupported(f"{engine.url}: the engine has no POST {ENDPOINT} "
-                                    "(needed by weights.verify=true)") from None
+            raise VerifyUnsupported(
+                f"{engine.url}: the engine has no POST {ENDPOINT} (needed by weights.verify=true)"
+            ) from None
         raise WeightSyncError(str(e)) from None
 
 
-def verify(engine_urls: list[str], admin_token: str | None,
-           expected: Mapping[str, int] | Iterable[tuple[str, torch.Tensor]], *,
-           raise_on_mismatch: bool = True, timeout_s: float = 600.0) -> VerifyReport:
+def verify(
+    engine_urls: list[str],
+    admin_token: str | None,
+    expected: Mapping[str, int] | Iterable[tuple[str, torch.Tensor]],
+    *,
+    raise_on_mismatch: bool = True,
+    timeout_s: float = 600.0,
+) -> VerifyReport:
     """Compare every engine with `expected`; raise `WeightSyncError` naming the first differing tensors.
 
     `expected` is either name → CRC32 (computed where the tensors live, e.g. in
@@ -71,8 +77,12 @@ def verify(engine_urls: list[str], admin_token: str | None,
             engine.close()
 
 
-def compare(engines: list[EngineControl], expected: Mapping[str, int] | Iterable[tuple[str, torch.Tensor]], *,
-            raise_on_mismatch: bool = True) -> VerifyReport:
+def compare(
+    engines: list[EngineControl],
+    expected: Mapping[str, int] | Iterable[tuple[str, torch.Tensor]],
+    *,
+    raise_on_mismatch: bool = True,
+) -> VerifyReport:
     """`verify` over clients already open (a sender's own, one per engine)."""
     items = expected.items() if isinstance(expected, Mapping) else expected
     ours = dict(items)

@@ -56,7 +56,8 @@ class DiskSender(Sender):
         self._prune()
 
     def _prune(self) -> None:
-        versions = sorted((int(p.name[1:]), p) for p in self.directory.glob("v*")
-                          if p.is_dir() and p.name[1:].isdigit())
-        for _, p in versions[:-self.keep]:
+        versions = sorted(
+            (int(p.name[1:]), p) for p in self.directory.glob("v*") if p.is_dir() and p.name[1:].isdigit()
+        )
+        for _, p in versions[: -self.keep]:
             shutil.rmtree(p, ignore_errors=True)

@@ -14,8 +14,9 @@ import torch
 import torch.distributed as dist
 
 
-def init_group(master_address: str, master_port: int, world_size: int, rank: int,
-               backend: str = "gloo", timeout_s: float = 60.0):
+def init_group(
+    master_address: str, master_port: int, world_size: int, rank: int, backend: str = "gloo", timeout_s: float = 60.0
+):
     """Join (rank 0: host) the group; returns the ProcessGroup."""
     if backend != "gloo":
         if backend == "nccl" and torch.cuda.is_available():

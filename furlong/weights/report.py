@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 class WeightSyncError(RuntimeError):
     """A sync that did not fully land; `report` says what each engine did (None before any send)."""
 
-    def __init__(self, message: str, report: "SyncReport | None" = None):
+    def __init__(self, message: str, report: SyncReport | None = None):
         super().__init__(message)
         self.report = report
 
@@ -49,6 +49,8 @@ class SyncReport:
 
     def summary(self) -> str:
         bad = [f"{u}: {e.error}" for u, e in self.engines.items() if not e.ok]
-        head = (f"{self.transport} v{self.version}: {self.tensors} tensors, {self.bytes / 1e6:.1f} MB in "
-                f"{self.buckets} buckets, {self.seconds:.3f} s ({self.gbps:.2f} GB/s) to {len(self.engines)} engines")
+        head = (
+            f"{self.transport} v{self.version}: {self.tensors} tensors, {self.bytes / 1e6:.1f} MB in "
+            f"{self.buckets} buckets, {self.seconds:.3f} s ({self.gbps:.2f} GB/s) to {len(self.engines)} engines"
+        )
         return head + (f"; FAILED {'; '.join(bad)}" if bad else "")

@@ -15,9 +15,9 @@ remains (said in the error message of a failed sync).
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from functools import lru_cache
 from pathlib import Path
-from typing import Iterable
 
 import torch
 
@@ -62,8 +62,10 @@ def check_against(schema: Schema | None, items: Iterable[tuple[str, tuple[int, .
             raise WeightSyncError(f"tensor {name!r}: no such parameter in the engine model at {url}; nothing was sent")
         want, want_dtype = schema[name]
         if tuple(shape) != want:
-            raise WeightSyncError(f"tensor {name!r}: shape {list(shape)} != engine shape {list(want)} at {url}; "
-                                  "nothing was sent")
+            raise WeightSyncError(
+                f"tensor {name!r}: shape {list(shape)} != engine shape {list(want)} at {url}; nothing was sent"
+            )
         if not dtype.is_floating_point and str(dtype).removeprefix("torch.") != want_dtype:
-            raise WeightSyncError(f"tensor {name!r}: dtype {dtype} cannot load into {want_dtype} at {url}; "
-                                  "nothing was sent")
+            raise WeightSyncError(
+                f"tensor {name!r}: dtype {dtype} cannot load into {want_dtype} at {url}; nothing was sent"
+            )

@@ -26,10 +26,10 @@ what this sender last pushed. A CRC32 collision would hide a change (odds
 
 from __future__ import annotations
 
-import torch
-
 from multiprocessing import shared_memory
 from typing import Any
+
+import torch
 
 from furlong.core.client import EngineControl
 from furlong.weights.base import Sender, buckets, nbytes
@@ -41,8 +41,12 @@ IN_FLIGHT = 2
 ALIGN = 64  # tensor offsets, as in tensors.write_shm
 
 
-def write_segment(group: list[tuple[str, torch.Tensor]], free: list[shared_memory.SharedMemory],
-                  crcs: dict[str, int] | None, min_size: int = 1) -> tuple[shared_memory.SharedMemory, dict[str, Any]]:
+def write_segment(
+    group: list[tuple[str, torch.Tensor]],
+    free: list[shared_memory.SharedMemory],
+    crcs: dict[str, int] | None,
+    min_size: int = 1,
+) -> tuple[shared_memory.SharedMemory, dict[str, Any]]:
     """Lay `group` out in a free segment big enough, else a new one of at least `min_size` bytes.
 
     New segments are sized to a whole bucket (pages are only allocated when
@@ -52,8 +56,9 @@ def write_segment(group: list[tuple[str, torch.Tensor]], free: list[shared_memor
     specs, offset = [], 0
     for name, t in group:
         n = nbytes(t)
-        specs.append({"name": name, "dtype": dtype_name(t.dtype), "shape": list(t.shape), "offset": offset,
-                      "nbytes": n})
+        specs.append(
+            {"name": name, "dtype": dtype_name(t.dtype), "shape": list(t.shape), "offset": offset, "nbytes": n}
+        )
         offset += -(-n // ALIGN) * ALIGN
     seg = next((s for s in free if s.size >= offset), None)
     if seg is not None:
@@ -63,7 +68,7 @@ def write_segment(group: list[tuple[str, torch.Tensor]], free: list[shared_memor
             unlink(free.pop(0))
         seg = shared_memory.SharedMemory(create=True, size=max(offset, min_size, 1))
     for spec, (name, t) in zip(specs, group):
-        seg.buf[spec["offset"]: spec["offset"] + spec["nbytes"]] = tensor_bytes(t)
+        seg.buf[spec["offset"] : spec["offset"] + spec["nbytes"]] = tensor_bytes(t)
         if crcs is not None:
             spec["crc32"] = crcs[name]
     return seg, {"shm_name": seg.name, "tensors": specs}

@@ -13,9 +13,10 @@ import os
 import threading
 import zlib
 from collections import OrderedDict
+from collections.abc import Iterator
 from contextlib import contextmanager
 from multiprocessing import resource_tracker, shared_memory
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 
@@ -42,14 +43,16 @@ def checksum(t: torch.Tensor) -> int:
     return zlib.crc32(tensor_bytes(t))
 
 
-def write_shm(named: dict[str, torch.Tensor], *,
-              with_checksum: bool = True) -> tuple[shared_memory.SharedMemory, dict[str, Any]]:
+def write_shm(
+    named: dict[str, torch.Tensor], *, with_checksum: bool = True
+) -> tuple[shared_memory.SharedMemory, dict[str, Any]]:
     """Copy tensors into a new segment; the caller owns it (close + unlink when the receiver is done)."""
     specs, offset = [], 0
     for name, t in named.items():
         nbytes = t.numel() * t.element_size()
-        specs.append({"name": name, "dtype": dtype_name(t.dtype), "shape": list(t.shape), "offset": offset,
-                      "nbytes": nbytes})
+        specs.append(
+            {"name": name, "dtype": dtype_name(t.dtype), "shape": list(t.shape), "offset": offset, "nbytes": nbytes}
+        )
         offset += -(-nbytes // _ALIGN) * _ALIGN
     shm = shared_memory.SharedMemory(create=True, size=max(offset, 1))
     for spec, t in zip(specs, named.values()):
@@ -142,7 +145,7 @@ def _inode(name: str) -> int | None:
 def _open(name: str) -> shared_memory.SharedMemory:
     with _lock:
         ino = _inode(name)
-        for other, (seg, seg_ino, users) in list(_mapped.items()):  # drop mappings of unlinked or replaced segments
+        for other, (_seg, seg_ino, users) in list(_mapped.items()):  # drop mappings of unlinked or replaced segments
             if users == 0 and (seg_ino is None or _inode(other) != seg_ino):
                 _close(_mapped.pop(other)[0])
         hit = _mapped.get(name)

@@ -40,9 +40,19 @@ from tests.fixtures.synthetic_run import write_synthetic_run
 CHROMIUM = shutil.which("chromium")
 pytestmark = [
     pytest.mark.browser,
-    pytest.mark.skipif(CHROMIUM is None, reason="chromium is not installed (make setup installs it: scripts/install-chromium.sh)"),
+    pytest.mark.skipif(
+        CHROMIUM is None, reason="chromium is not installed (make setup installs it: scripts/install-chromium.sh)"
+    ),
 ]
-ARGS = ["--no-sandbox", "--headless", "--disable-gpu", "--disable-background-networking", "--disable-component-update", "--disable-sync", "--no-first-run"]
+ARGS = [
+    "--no-sandbox",
+    "--headless",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--no-first-run",
+]
 ROOT = Path(__file__).resolve().parents[2]
 IMG = ROOT / "docs" / "img"
 STEPS = 3
@@ -57,11 +67,21 @@ def real_run(tmp_path_factory):
 
     A subprocess: the browser's event loop may already run in this thread, and Ray leaves with it."""
     run_dir = tmp_path_factory.mktemp("real") / "debug-async"  # the name the screenshots show
-    args = ["train", str(ROOT / "recipes" / "debug.yaml"), f"run_dir={run_dir}", f"train.total_steps={STEPS}",
-            "rollout.mode=async", "rollout.eval_every=1", "train.num_steps_per_rollout=2",  # 2: the trainer keeps its log-probs
-            "rollout.reward_fn=tests.browser.dashboard_plugins:parity_reward",
-            "observe.event_store=true", "observe.tensorboard=false"]
-    done = subprocess.run([sys.executable, "-m", "furlong.cli", *args], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    args = [
+        "train",
+        str(ROOT / "recipes" / "debug.yaml"),
+        f"run_dir={run_dir}",
+        f"train.total_steps={STEPS}",
+        "rollout.mode=async",
+        "rollout.eval_every=1",
+        "train.num_steps_per_rollout=2",  # 2: the trainer keeps its log-probs
+        "rollout.reward_fn=tests.browser.dashboard_plugins:parity_reward",
+        "observe.event_store=true",
+        "observe.tensorboard=false",
+    ]
+    done = subprocess.run(
+        [sys.executable, "-m", "furlong.cli", *args], cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert json.loads(done.stdout.strip().splitlines()[-1])["steps"] == STEPS
     h = serve_in_thread(run_dir, follow=False)
@@ -74,7 +94,9 @@ def synthetic(tmp_path_factory, tiny_model_dir):
     from transformers import AutoTokenizer
 
     d = tmp_path_factory.mktemp("synthetic")
-    w = write_synthetic_run(d, steps=2, groups=2, group_size=4, engines=2, tokenizer=AutoTokenizer.from_pretrained(tiny_model_dir))
+    w = write_synthetic_run(
+        d, steps=2, groups=2, group_size=4, engines=2, tokenizer=AutoTokenizer.from_pretrained(tiny_model_dir)
+    )
     h = serve_in_thread(d, follow=False)
     yield d, w, h.url
     h.stop()
@@ -135,14 +157,23 @@ def test_overview_plots_every_step_run(page, real_run):
     run_dir, url = real_run
     steps = [r[0] for r in sql(run_dir, "SELECT DISTINCT step FROM metrics ORDER BY step")]
     assert steps == list(range(1, STEPS + 1))  # one metrics row per step run, numbered as metrics.jsonl
-    finite = {name: n for name, n in sql(run_dir, "SELECT name, COUNT(*) FROM metrics WHERE value IS NOT NULL GROUP BY name")}
+    finite = {
+        name: n for name, n in sql(run_dir, "SELECT name, COUNT(*) FROM metrics WHERE value IS NOT NULL GROUP BY name")
+    }
     open_view(page, url, "overview")
     for chart in OVERVIEW_CHARTS:
         series = page.locator(f'svg[data-chart="{chart}"] g.series')
         assert series.count() >= 1, chart
         for name, points in series.evaluate_all("els => els.map(e => [e.dataset.metric, Number(e.dataset.points)])"):
-            assert points == finite.get(name, STEPS) == STEPS, (chart, name)  # samples/* aggregates are not metrics rows
-    plotted = page.locator('svg[data-chart="Loss"] g.series').first.locator("circle.pt").evaluate_all("els => els.map(e => Number(e.dataset.step))")
+            assert points == finite.get(name, STEPS) == STEPS, (
+                chart,
+                name,
+            )  # samples/* aggregates are not metrics rows
+    plotted = (
+        page.locator('svg[data-chart="Loss"] g.series')
+        .first.locator("circle.pt")
+        .evaluate_all("els => els.map(e => Number(e.dataset.step))")
+    )
     assert plotted == steps
     assert f"{STEPS} steps" in page.text_content("#status") and "offline" in page.text_content("#status")
     shot(page, "overview")
@@ -160,7 +191,9 @@ def test_timeline_has_one_lane_per_recorded_worker(page, real_run):
     rects = page.locator("#timeline rect.span")
     assert rects.count() == n_spans
     assert set(rects.evaluate_all("els => els.map(e => e.dataset.phase)")) == phases
-    assert page.locator("#timeline .step-label").evaluate_all("els => els.map(e => Number(e.dataset.step))") == list(range(1, STEPS + 1))
+    assert page.locator("#timeline .step-label").evaluate_all("els => els.map(e => Number(e.dataset.step))") == list(
+        range(1, STEPS + 1)
+    )
     shot(page, "timeline")
     page.click("#tl-zoom-in")
     page.click("#tl-zoom-in")
@@ -170,7 +203,10 @@ def test_timeline_has_one_lane_per_recorded_worker(page, real_run):
     assert rects.count() == n_spans
     page.select_option("#tl-step", "2")
     settle(page, "#/timeline?step=2")
-    assert rects.evaluate_all("els => els.map(e => e.dataset.step)") == ["2"] * sql(run_dir, "SELECT COUNT(*) FROM spans WHERE step = 2")[0][0]
+    assert (
+        rects.evaluate_all("els => els.map(e => e.dataset.step)")
+        == ["2"] * sql(run_dir, "SELECT COUNT(*) FROM spans WHERE step = 2")[0][0]
+    )
 
 
 @REAL_RUN
@@ -187,7 +223,9 @@ def test_rollouts_table_and_groups_match_the_samples(page, real_run):
     settle(page, "sort=staleness&order=asc")
     page.click('th[data-sort="staleness"]')
     settle(page, "sort=staleness&order=desc")
-    assert shown.evaluate_all("els => els.map(e => Number(e.dataset.staleness))") == sorted((r[5] for r in rows), reverse=True)
+    assert shown.evaluate_all("els => els.map(e => Number(e.dataset.staleness))") == sorted(
+        (r[5] for r in rows), reverse=True
+    )
     status = rows[-1][4]
     page.select_option("#f-status", status)
     settle(page, f"status={status}")
@@ -198,8 +236,9 @@ def test_rollouts_table_and_groups_match_the_samples(page, real_run):
         groups.setdefault((step, grp), []).append(reward)
     open_view(page, url, "rollouts?mode=groups")
     g_rows = page.locator("tr.group-row")
-    assert g_rows.evaluate_all("els => els.map(e => [Number(e.dataset.step), Number(e.dataset.group), e.dataset.zero === 'true'])") == [
-        [step, grp, len(r) > 1 and max(r) == min(r)] for (step, grp), r in sorted(groups.items())]
+    assert g_rows.evaluate_all(
+        "els => els.map(e => [Number(e.dataset.step), Number(e.dataset.group), e.dataset.zero === 'true'])"
+    ) == [[step, grp, len(r) > 1 and max(r) == min(r)] for (step, grp), r in sorted(groups.items())]
     shot(page, "groups")
     (step, grp), members = sorted(groups.items())[-1]
     page.click(f'tr.group-row[data-step="{step}"][data-group="{grp}"]')
@@ -211,15 +250,21 @@ def test_rollouts_table_and_groups_match_the_samples(page, real_run):
 def test_sample_view_shows_every_token_of_the_sample(page, real_run):
     run_dir, url = real_run
     sid, length, trained, prompt, version, blob = sql(
-        run_dir, "SELECT id, response_length, trained_tokens, prompt_text, version_min, tokens FROM samples"
-                 " WHERE staleness > 0 ORDER BY id LIMIT 1")[0]
+        run_dir,
+        "SELECT id, response_length, trained_tokens, prompt_text, version_min, tokens FROM samples"
+        " WHERE staleness > 0 ORDER BY id LIMIT 1",
+    )[0]
     tokens = json.loads(blob)
     ids, train_lp = unpack(tokens["ids"], "i"), unpack(tokens["train_logprob"], "f")
-    assert len(ids) == length and train_lp is not None and len(train_lp) == length  # the trainer's log-probs reached the store
+    assert (
+        len(ids) == length and train_lp is not None and len(train_lp) == length
+    )  # the trainer's log-probs reached the store
     open_view(page, url, f"sample/{sid}")
     toks = page.locator("#tokens .tok")
     assert toks.count() == length
-    assert toks.evaluate_all("els => els.map(e => e.textContent)") == [t.replace("\n", "↵\n") or "∅" for t in tokens["text"]]
+    assert toks.evaluate_all("els => els.map(e => e.textContent)") == [
+        t.replace("\n", "↵\n") or "∅" for t in tokens["text"]
+    ]
     assert toks.evaluate_all("els => els.map(e => e.dataset.version)") == [str(version)] * length
     assert page.locator("#tokens .tok.masked").count() == length - trained
     assert json.loads(prompt)[-1]["content"] in page.text_content("#conversation")
@@ -241,19 +286,30 @@ def test_sample_view_shows_every_token_of_the_sample(page, real_run):
 @REAL_RUN
 def test_engines_show_what_the_driver_polled(page, real_run):
     run_dir, url = real_run
-    latest = {name: value for name, value in sql(
-        run_dir, "SELECT name, value FROM metrics WHERE name LIKE 'engine/%' AND id IN (SELECT MAX(id) FROM metrics GROUP BY name)")}
+    latest = {
+        name: value
+        for name, value in sql(
+            run_dir,
+            "SELECT name, value FROM metrics WHERE name LIKE 'engine/%' AND id IN (SELECT MAX(id) FROM metrics GROUP BY name)",
+        )
+    }
     engines = sorted({n.split("/")[1] for n in latest}, key=natural)
     assert engines and all(latest[f"engine/{e}/healthy"] == 1.0 for e in engines)
     open_view(page, url, "engines")
     rows = page.locator("tr.engine-row")
-    assert rows.evaluate_all("els => els.map(e => [e.dataset.engine, e.dataset.healthy])") == [[e, "true"] for e in engines]
+    assert rows.evaluate_all("els => els.map(e => [e.dataset.engine, e.dataset.healthy])") == [
+        [e, "true"] for e in engines
+    ]
     for i, e in enumerate(engines):
         queue_cell = rows.nth(i).locator("td").nth(2).text_content()
         assert float(queue_cell) == latest[f"engine/{e}/queue"]
     for field in ("queue", "tokens_per_s", "healthy"):
-        points = page.locator(f'svg[data-chart="engine {field}"] g.series').evaluate_all("els => els.map(e => Number(e.dataset.points))")
-        counts = sql(run_dir, "SELECT COUNT(*) FROM metrics WHERE name LIKE ? GROUP BY name ORDER BY name", f"engine/%/{field}")
+        points = page.locator(f'svg[data-chart="engine {field}"] g.series').evaluate_all(
+            "els => els.map(e => Number(e.dataset.points))"
+        )
+        counts = sql(
+            run_dir, "SELECT COUNT(*) FROM metrics WHERE name LIKE ? GROUP BY name ORDER BY name", f"engine/%/{field}"
+        )
         assert points == [c[0] for c in counts], field
     shot(page, "engines")
 
@@ -262,7 +318,7 @@ def test_engines_show_what_the_driver_polled(page, real_run):
 def test_advisories_follow_from_the_samples(page, real_run):
     run_dir, url = real_run
     expected = set()
-    for step, frac in sql(run_dir, "SELECT step, AVG(status = 'truncated') FROM samples GROUP BY step"):
+    for _step, frac in sql(run_dir, "SELECT step, AVG(status = 'truncated') FROM samples GROUP BY step"):
         if frac > 0.2:
             expected.add("truncation")
     for _, lo, hi, n in sql(run_dir, "SELECT step, MIN(reward), MAX(reward), COUNT(*) FROM samples GROUP BY step, grp"):
@@ -293,7 +349,10 @@ def test_tool_tokens_partial_rollouts_and_an_unhealthy_engine(page, synthetic):
     open_view(page, url, f"sample/{mixed['id']}")
     page.select_option("#colour-by", "version")
     toks = page.locator("#tokens .tok")
-    assert set(toks.evaluate_all("els => els.map(e => e.dataset.version)")) == {str(mixed["version_min"]), str(mixed["version_max"])}
+    assert set(toks.evaluate_all("els => els.map(e => e.dataset.version)")) == {
+        str(mixed["version_min"]),
+        str(mixed["version_max"]),
+    }
     assert len(set(toks.evaluate_all("els => els.map(e => e.style.background)"))) == 2
 
     open_view(page, url, "engines")
@@ -314,11 +373,18 @@ def test_follow_mode_shows_new_steps_live(browser, tmp_path):
         t = threading.Thread(target=write)
         t.start()
         open_view(page, h.url, "overview")
-        first = page.locator('svg[data-chart="Loss"] g.series').get_attribute("data-points") if page.locator('svg[data-chart="Loss"]').count() else "0"
-        page.wait_for_function("""() => {
+        first = (
+            page.locator('svg[data-chart="Loss"] g.series').get_attribute("data-points")
+            if page.locator('svg[data-chart="Loss"]').count()
+            else "0"
+        )
+        page.wait_for_function(
+            """() => {
             const g = document.querySelector('svg[data-chart="Loss"] g.series');
             return g && g.dataset.points === '5';
-        }""", timeout=30000)
+        }""",
+            timeout=30000,
+        )
         t.join(30)
         assert done.is_set() and int(first) < 5 and "following" in page.text_content("#status")
     finally:

@@ -72,7 +72,7 @@ def nan_at_1_and_from_3(step: int, batch: Any) -> None:
 
 def varied_reward(sample: Any) -> float:
     """A deterministic reward that differs within groups (the tiny model rarely solves a task), so weights move."""
-    return (sum(sample.tokens[-sample.response_length:]) % 7) / 7
+    return (sum(sample.tokens[-sample.response_length :]) % 7) / 7
 
 
 async def trainer_killing_reward(sample: Any) -> float:

@@ -18,8 +18,14 @@ ROOT = Path(__file__).resolve().parents[2]
 os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(Path(__file__).parent), os.environ.get("PYTHONPATH")) if p)
 
 # Short health checks so hung engines are found quickly; one trainer rank, tiny model, no TensorBoard.
-BASE = ["router.health_interval_s=0.5", "router.health_timeout_s=3", "router.unhealthy_after=2",
-        "observe.tensorboard=false", "data.n_eval=2", "cluster.threads_per_process=1"]
+BASE = [
+    "router.health_interval_s=0.5",
+    "router.health_timeout_s=3",
+    "router.unhealthy_after=2",
+    "observe.tensorboard=false",
+    "data.n_eval=2",
+    "cluster.threads_per_process=1",
+]
 
 
 def chaos_config(run_dir: Path, *overrides: str) -> Any:

@@ -22,17 +22,30 @@ STEPS, BATCH, N = 10, 4, 2
 def chaos_run(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("chaos_engines")
     cfg = chaos_config(
-        run_dir, "engine.num_engines=2", "rollout.mode=async", "rollout.max_staleness=1",
-        f"rollout.rollout_batch_size={BATCH}", f"rollout.n_samples_per_prompt={N}", "train.num_steps_per_rollout=1",
-        f"train.total_steps={STEPS}", "data.n_train=1000", "rollout.reward_fn=chaos_plugins:chaos_reward",
+        run_dir,
+        "engine.num_engines=2",
+        "rollout.mode=async",
+        "rollout.max_staleness=1",
+        f"rollout.rollout_batch_size={BATCH}",
+        f"rollout.n_samples_per_prompt={N}",
+        "train.num_steps_per_rollout=1",
+        f"train.total_steps={STEPS}",
+        "data.n_train=1000",
+        "rollout.reward_fn=chaos_plugins:chaos_reward",
     )
 
     async def arm(r):  # the reward reaches the run through the plugin module
         chaos_plugins.reset(r, PLAN)
 
     result = run(cfg, arm)
-    print("\nchaos figures:", {"injected": chaos_plugins.STATE["injected"], "supervisor": result["supervisor"],
-                               "rollout": result["rollout_stats"]})
+    print(
+        "\nchaos figures:",
+        {
+            "injected": chaos_plugins.STATE["injected"],
+            "supervisor": result["supervisor"],
+            "rollout": result["rollout_stats"],
+        },
+    )
     return result
 
 

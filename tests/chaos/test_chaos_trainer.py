@@ -33,11 +33,21 @@ def test_trainer_sigkill_with_auto_restart_ends_with_the_uninterrupted_weights(t
         chaos_plugins.STATE.clear()
         chaos_plugins.STATE["run"] = r
 
-    killed = run(chaos_config(tmp_path / "killed", *SYNC, "cluster.auto_restart=true",
-                              "rollout.reward_fn=chaos_plugins:trainer_killing_reward"), arm)
+    killed = run(
+        chaos_config(
+            tmp_path / "killed",
+            *SYNC,
+            "cluster.auto_restart=true",
+            "rollout.reward_fn=chaos_plugins:trainer_killing_reward",
+        ),
+        arm,
+    )
     assert chaos_plugins.STATE["trainer_killed"] and killed["trainer_restarts"] == 1
     assert killed["steps"] == 4 and killed["rollout_stats"]["balanced"]
-    want, got = final_weights(tmp_path / "base", tmp_path / "base_hf"), final_weights(tmp_path / "killed", tmp_path / "killed_hf")
+    want, got = (
+        final_weights(tmp_path / "base", tmp_path / "base_hf"),
+        final_weights(tmp_path / "killed", tmp_path / "killed_hf"),
+    )
     assert want.keys() == got.keys() and want
     from furlong.models import create_model
 
@@ -49,10 +59,17 @@ def test_trainer_sigkill_with_auto_restart_ends_with_the_uninterrupted_weights(t
 
 def test_nan_loss_is_skipped_with_a_warning_and_n_in_a_row_stop_the_run(tmp_path, capsys):
     run_dir = tmp_path / "nan"
-    cfg = chaos_config(run_dir, "train.total_steps=8", "train.max_nonfinite_steps=2",
-                       "train.before_train_step=chaos_plugins:nan_at_1_and_from_3")
-    with pytest.raises(RunStopped, match=r"NaN/inf in 2 optimiser steps in a row \(train.max_nonfinite_steps=2\), "
-                                         r"at RL step 4"):
+    cfg = chaos_config(
+        run_dir,
+        "train.total_steps=8",
+        "train.max_nonfinite_steps=2",
+        "train.before_train_step=chaos_plugins:nan_at_1_and_from_3",
+    )
+    with pytest.raises(
+        RunStopped,
+        match=r"NaN/inf in 2 optimiser steps in a row \(train.max_nonfinite_steps=2\), "
+        r"at RL step 4",
+    ):
         run(cfg)
     rows = {m["step"]: m for m in metrics(run_dir)}
     assert [rows[s]["nonfinite/skipped"] for s in (1, 2, 3, 4)] == [0.0, 1.0, 0.0, 1.0]  # logged after steps 0..3
@@ -68,7 +85,7 @@ def test_nan_loss_is_skipped_with_a_warning_and_n_in_a_row_stop_the_run(tmp_path
 class FakeRun:
     """Dies like a trainer would, `deaths` times in all, then finishes."""
 
-    made: list["FakeRun"] = []
+    made: list[FakeRun] = []
     deaths = 0
 
     def __init__(self, cfg, resume=False, progress=False):
@@ -130,8 +147,12 @@ def test_a_nonfinite_step_leaves_weights_and_optimiser_untouched():
         g = torch.Generator().manual_seed(seed)
         out = []
         for i in range(4):
-            s = Sample(index=i, group_index=i // 2, tokens=torch.randint(1, 500, (4,), generator=g).tolist(),
-                       reward=float(i % 2))
+            s = Sample(
+                index=i,
+                group_index=i // 2,
+                tokens=torch.randint(1, 500, (4,), generator=g).tolist(),
+                reward=float(i % 2),
+            )
             resp = torch.randint(1, 500, (3,), generator=g).tolist()
             s.append(resp, logprobs=[-1.0] * len(resp))
             out.append(s)

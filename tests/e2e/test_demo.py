@@ -30,9 +30,23 @@ STEPS = 12
 def test_short_demo_learns(tmp_path):
     run_dir = tmp_path / "demo"
     proc = subprocess.run(
-        [sys.executable, "-m", "furlong.cli", "demo", f"train.total_steps={STEPS}", "train.sft_steps=80",
-         "data.n_eval=100", "--run-dir", str(run_dir)],
-        cwd=ROOT, capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "2"})
+        [
+            sys.executable,
+            "-m",
+            "furlong.cli",
+            "demo",
+            f"train.total_steps={STEPS}",
+            "train.sft_steps=80",
+            "data.n_eval=100",
+            "--run-dir",
+            str(run_dir),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "OMP_NUM_THREADS": "2"},
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     last = proc.stdout.strip().splitlines()[-1]
     m = RESULT.fullmatch(last)
@@ -40,7 +54,9 @@ def test_short_demo_learns(tmp_path):
     baseline, final, steps = float(m[1]), float(m[2]), int(m[3])
     assert steps == STEPS
     assert final > baseline, f"RL did not improve held-out accuracy: {baseline} -> {final}"
-    rewards = [json.loads(x)["rollout/reward_mean"] for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    rewards = [
+        json.loads(x)["rollout/reward_mean"] for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()
+    ]
     assert len(rewards) == STEPS and sum(rewards[-3:]) > sum(rewards[:3]), f"training reward did not rise: {rewards}"
     token = (run_dir / "admin_token").read_text().strip()
     left = [p for p in os.listdir("/proc") if p.isdigit() and token.encode() in _cmdline(p)]

@@ -27,7 +27,7 @@ import sys
 import tempfile
 import uuid
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 import uvicorn
@@ -66,14 +66,30 @@ def make_app(api_key: str, port: int) -> FastAPI:
             return err
         body = await request.json()
         sid = "fake-" + uuid.uuid4().hex[:12]
-        now = datetime.now(timezone.utc).isoformat()
-        dto = {"id": sid, "organizationId": "fake-org", "name": body.get("name") or sid, "user": "daytona",
-               "env": body.get("env") or {}, "labels": body.get("labels") or {}, "public": False,
-               "networkBlockAll": bool(body.get("networkBlockAll")), "kvm": False, "target": "local",
-               "cpu": 1, "gpu": 0, "memory": 1, "disk": 3, "state": "started", "desiredState": "started",
-               "autoStopInterval": body.get("autoStopInterval", 15),
-               "autoDeleteInterval": body.get("autoDeleteInterval", -1),
-               "createdAt": now, "updatedAt": now, "toolboxProxyUrl": f"http://127.0.0.1:{port}/toolbox"}
+        now = datetime.now(UTC).isoformat()
+        dto = {
+            "id": sid,
+            "organizationId": "fake-org",
+            "name": body.get("name") or sid,
+            "user": "daytona",
+            "env": body.get("env") or {},
+            "labels": body.get("labels") or {},
+            "public": False,
+            "networkBlockAll": bool(body.get("networkBlockAll")),
+            "kvm": False,
+            "target": "local",
+            "cpu": 1,
+            "gpu": 0,
+            "memory": 1,
+            "disk": 3,
+            "state": "started",
+            "desiredState": "started",
+            "autoStopInterval": body.get("autoStopInterval", 15),
+            "autoDeleteInterval": body.get("autoDeleteInterval", -1),
+            "createdAt": now,
+            "updatedAt": now,
+            "toolboxProxyUrl": f"http://127.0.0.1:{port}/toolbox",
+        }
         boxes[sid] = Box(sid, dto, Path(tempfile.mkdtemp(prefix="daytona-fake-")))
         return dto
 
@@ -107,11 +123,24 @@ def make_app(api_key: str, port: int) -> FastAPI:
         if (box := boxes.get(sandbox_id)) is None:
             return missing(sandbox_id)
         body = await request.json()
-        env = {"PATH": f"{Path(sys.executable).parent}:/usr/local/bin:/usr/bin:/bin", "HOME": str(box.root),
-               "TMPDIR": str(box.root), "LANG": "C.UTF-8", **(body.get("envs") or {})}
+        env = {
+            "PATH": f"{Path(sys.executable).parent}:/usr/local/bin:/usr/bin:/bin",
+            "HOME": str(box.root),
+            "TMPDIR": str(box.root),
+            "LANG": "C.UTF-8",
+            **(body.get("envs") or {}),
+        }
         proc = await asyncio.create_subprocess_exec(
-            "/bin/bash", "-c", body["command"], cwd=body.get("cwd") or str(box.root), env=env, start_new_session=True,
-            stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
+            "/bin/bash",
+            "-c",
+            body["command"],
+            cwd=body.get("cwd") or str(box.root),
+            env=env,
+            start_new_session=True,
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.STDOUT,
+        )
         box.pids.add(proc.pid)
         try:
             out, _ = await asyncio.wait_for(proc.communicate(), body.get("timeout") or 10)

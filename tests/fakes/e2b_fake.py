@@ -78,7 +78,7 @@ class Fake:
 
 
 def event(**kw) -> process_pb.StartResponse:
-    (name, value), = kw.items()
+    ((name, value),) = kw.items()
     return process_pb.StartResponse(event=process_pb.ProcessEvent(event=Oneof(name, value)))
 
 
@@ -92,11 +92,23 @@ class Process(process_connect.Process):
     async def start(self, request: process_pb.StartRequest, ctx) -> AsyncIterator[process_pb.StartResponse]:
         box = self.fake.box(ctx.request_headers)
         cfg = request.process
-        env = {"PATH": f"{Path(sys.executable).parent}:/usr/local/bin:/usr/bin:/bin", "HOME": str(box.root),
-               "TMPDIR": str(box.root), "LANG": "C.UTF-8", **dict(cfg.envs or {})}
+        env = {
+            "PATH": f"{Path(sys.executable).parent}:/usr/local/bin:/usr/bin:/bin",
+            "HOME": str(box.root),
+            "TMPDIR": str(box.root),
+            "LANG": "C.UTF-8",
+            **dict(cfg.envs or {}),
+        }
         proc = await asyncio.create_subprocess_exec(
-            cfg.cmd, *cfg.args, cwd=cfg.cwd or str(box.root), env=env, start_new_session=True,
-            stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+            cfg.cmd,
+            *cfg.args,
+            cwd=cfg.cwd or str(box.root),
+            env=env,
+            start_new_session=True,
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+        )
         box.pids.add(proc.pid)
         queue: asyncio.Queue = asyncio.Queue()
 
@@ -149,11 +161,24 @@ def make_app(api_key: str):
         if request.headers.get("x-api-key") != fake.api_key:
             return JSONResponse({"code": 401, "message": "Invalid API key"}, status_code=401)
         body = await request.json()
-        box = Box(id="fake" + uuid.uuid4().hex[:12], token=uuid.uuid4().hex,
-                  root=Path(tempfile.mkdtemp(prefix="e2b-fake-")), allow_internet=body.get("allowInternetAccess", True))
+        box = Box(
+            id="fake" + uuid.uuid4().hex[:12],
+            token=uuid.uuid4().hex,
+            root=Path(tempfile.mkdtemp(prefix="e2b-fake-")),
+            allow_internet=body.get("allowInternetAccess", True),
+        )
         fake.boxes[box.id] = box
-        return JSONResponse({"templateID": body["templateID"], "sandboxID": box.id, "clientID": "fake",
-                             "envdVersion": ENVD_VERSION, "envdAccessToken": box.token, "domain": None}, 201)
+        return JSONResponse(
+            {
+                "templateID": body["templateID"],
+                "sandboxID": box.id,
+                "clientID": "fake",
+                "envdVersion": ENVD_VERSION,
+                "envdAccessToken": box.token,
+                "domain": None,
+            },
+            201,
+        )
 
     @api.get("/sandboxes/{sandbox_id}")
     async def info(sandbox_id: str, request: Request):

@@ -26,8 +26,14 @@ STEPS = 12
 
 
 def _furlong(*args: str, timeout: int) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "furlong.cli", *args], cwd=ROOT, capture_output=True, text=True,
-                          timeout=timeout, env={**os.environ, "OMP_NUM_THREADS": "2"})
+    return subprocess.run(
+        [sys.executable, "-m", "furlong.cli", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, "OMP_NUM_THREADS": "2"},
+    )
 
 
 @pytest.mark.slow
@@ -37,9 +43,17 @@ def test_short_agent_calculator_run_learns_to_call_the_tool(tmp_path):
     made = _furlong("envs", "demos", "calculator", str(demos), "--n", "2600", timeout=120)
     assert made.returncode == 0, made.stderr[-2000:]
     run_dir = tmp_path / "run"
-    proc = _furlong("train", "recipes/agent_calculator.yaml", f"data.sft_path={demos}", "train.sft_steps=40",
-                    f"train.total_steps={STEPS}", "data.n_eval=8", "rollout.eval_every=0", f"run_dir={run_dir}",
-                    timeout=900)
+    proc = _furlong(
+        "train",
+        "recipes/agent_calculator.yaml",
+        f"data.sft_path={demos}",
+        "train.sft_steps=40",
+        f"train.total_steps={STEPS}",
+        "data.n_eval=8",
+        "rollout.eval_every=0",
+        f"run_dir={run_dir}",
+        timeout=900,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
 
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
@@ -52,8 +66,12 @@ def test_short_agent_calculator_run_learns_to_call_the_tool(tmp_path):
     assert sum(used[last]) > sum(used[first]), f"tool use did not rise: {used}"
 
     # Every trained sample is a session's record: policy tokens trained, the tool's result never.
-    samples = [json.loads(x) for f in sorted((run_dir / "samples").glob("step_*.jsonl"))
-               for x in f.read_text().splitlines() if x.strip()]
+    samples = [
+        json.loads(x)
+        for f in sorted((run_dir / "samples").glob("step_*.jsonl"))
+        for x in f.read_text().splitlines()
+        if x.strip()
+    ]
     assert samples and all(s["metadata"].get("session_id") for s in samples)
     # (an episode cut by the token budget right after its call never got the result back)
     called = [s for s in samples if s["reward"]["used_tool"] == 1.0 and s["status"] == "completed"]

@@ -20,16 +20,16 @@ import httpx
 import pytest
 import torch
 
-from tests.helpers import engine_process
 from furlong.config.schema import RolloutConfig
+from furlong.core.client import EngineClient
+from furlong.core.sample import Sample, Source, Status
 from furlong.data import CALCULATOR_TOOL, TASKS, DataSource
+from furlong.data.chat import encode_prompt
 from furlong.envs import agent as agent_glue
 from furlong.models import load_tokenizer
-from furlong.core.client import EngineClient
-from furlong.data.chat import encode_prompt
 from furlong.rollout.generate import RolloutContext
 from furlong.rollout.manager import RolloutManager
-from furlong.core.sample import Sample, Source, Status
+from tests.helpers import engine_process
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "agent_openai_client" / "agent.py"
 
@@ -51,13 +51,25 @@ def example():
 
 
 def rollout(url: str, tok, *, seed: int, max_new_tokens: int = 12, **cfg):
-    config = RolloutConfig(rollout_batch_size=2, n_samples_per_prompt=2, max_new_tokens=max_new_tokens,
-                           agent_fn="agent_openai_client:agent", **cfg)
+    config = RolloutConfig(
+        rollout_batch_size=2,
+        n_samples_per_prompt=2,
+        max_new_tokens=max_new_tokens,
+        agent_fn="agent_openai_client:agent",
+        **cfg,
+    )
     prompts = TASKS["calculator"].make("train", 2, seed=3, chat=True)
 
     async def go():
         async with EngineClient(url) as client:
-            manager = RolloutManager(config, DataSource(list(prompts), shuffle=False), client, tok, seed=seed)
+            manager = RolloutManager(
+                config,
+                DataSource(list(prompts), shuffle=False),
+                client,
+                tok,
+                seed=seed,
+                generate_fn=agent_glue.generate,
+            )
             batch = await manager.next_batch(0)
             await manager.close()
             return batch, manager.stats()
@@ -80,14 +92,19 @@ def test_manager_runs_the_openai_agent_on_sessions(engine, example):
         assert s.tokens[: s.prompt_length] == encode_prompt(tok, question, [CALCULATOR_TOOL["function"]])
         assert 0 < s.response_length <= 12, "the session capped the agent's max_tokens=64 at the rollout budget"
         assert s.reward in (0.0, 1.0) and s.metadata["session_id"] and s.metadata["agent_trajectories"] == 1
-        assert s.metadata["prompt_index"] in (0, 1) and s.label == TASKS["calculator"].make("train", 2, seed=3)[
-            s.metadata["prompt_index"]].label
+        assert (
+            s.metadata["prompt_index"] in (0, 1)
+            and s.label == TASKS["calculator"].make("train", 2, seed=3)[s.metadata["prompt_index"]].label
+        )
         assert s.token_versions == [0] * s.response_length
         with torch.no_grad():
             lp = torch.log_softmax(hf(torch.tensor([s.tokens])).logits[0].float(), -1)
         p = s.prompt_length
-        diffs = [abs(lp[p + j - 1, s.tokens[p + j]].item() - s.rollout_logprobs[j])
-                 for j in range(s.response_length) if s.token_sources[j] == Source.POLICY.value]
+        diffs = [
+            abs(lp[p + j - 1, s.tokens[p + j]].item() - s.rollout_logprobs[j])
+            for j in range(s.response_length)
+            if s.token_sources[j] == Source.POLICY.value
+        ]
         assert diffs and max(diffs) < 1e-4
     server = agent_glue._servers[url].server
     assert server.stats()["sessions_open"] == 0 and server.stats()["sessions_created"] == 4

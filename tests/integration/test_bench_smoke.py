@@ -22,8 +22,14 @@ FLOAT = r"(\d+(?:\.\d+)?)"
 
 def run_script(name: str, timeout: float = 240) -> list[str]:
     env = {**os.environ, "OMP_NUM_THREADS": "2", "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    p = subprocess.run([sys.executable, str(BENCH / name), "--smoke"], cwd=ROOT, env=env, capture_output=True,
-                       text=True, timeout=timeout)
+    p = subprocess.run(
+        [sys.executable, str(BENCH / name), "--smoke"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
     assert p.returncode == 0, f"{name} exited {p.returncode}:\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}"
     return p.stdout.strip().splitlines()
 
@@ -34,8 +40,18 @@ def test_steady_state_window_starts_after_warmup() -> None:
         from rl_bench import steady_state
     finally:
         sys.path.remove(str(BENCH))
-    rows = [{"step": i + 1, "time": t, "rollout/samples": 64.0, "time/rollout_wait_s": 1.0, "time/train_s": 2.0,
-             "weight_sync/seconds": 0.5, "rollout/response_len_mean": 64.0} for i, t in enumerate([100.0, 110.0, 114.0, 118.0])]
+    rows = [
+        {
+            "step": i + 1,
+            "time": t,
+            "rollout/samples": 64.0,
+            "time/rollout_wait_s": 1.0,
+            "time/train_s": 2.0,
+            "weight_sync/seconds": 0.5,
+            "rollout/response_len_mean": 64.0,
+        }
+        for i, t in enumerate([100.0, 110.0, 114.0, 118.0])
+    ]
     r = steady_state(rows, warmup=2)  # steps 3 and 4 are timed: 128 samples from t=110 to t=118
     assert r["samples_per_s"] == 128 / 8 and r["step_s"] == 4.0 and r["other_s"] == 0.5
     with pytest.raises(ValueError, match="at least 3 logged steps"):
@@ -51,7 +67,9 @@ def test_async_speedup_smoke() -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(importlib.util.find_spec("trl") is None, reason="TRL is in the `bench` extra: pip install -e '.[bench]'")
+@pytest.mark.skipif(
+    importlib.util.find_spec("trl") is None, reason="TRL is in the `bench` extra: pip install -e '.[bench]'"
+)
 def test_vs_trl_smoke() -> None:
     lines = run_script("vs_trl.py")
     m = re.fullmatch(rf"RATIO furlong_sync_vs_trl={FLOAT} furlong_async_vs_trl={FLOAT}", lines[-1])

@@ -34,16 +34,16 @@ import httpx
 import pytest
 import torch
 
-from tests.helpers import engine_process
 from furlong.config.schema import EnvsConfig, RolloutConfig
+from furlong.core.client import EngineClient
+from furlong.core.sample import Sample, Source, Status
 from furlong.envs import agent as agent_glue
 from furlong.envs.connectors import harbor as hc
 from furlong.envs.connectors.venvs import ensure
 from furlong.envs.session_server import ServerThread, SessionServer
 from furlong.models import create_model, load_tokenizer
-from furlong.core.client import EngineClient
 from furlong.rollout.manager import RolloutManager
-from furlong.core.sample import Sample, Source, Status
+from tests.helpers import engine_process
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
 from envs_scripted_engine import Script, Turn  # noqa: E402
@@ -77,15 +77,22 @@ def engine(model):
 def test_trials_on_the_engine_record_exact_tokens_and_the_verifiers_reward(venv, engine, tmp_path):
     url, path = engine
     tok = load_tokenizer(path)
-    config = RolloutConfig(rollout_batch_size=2, n_samples_per_prompt=1, max_new_tokens=24, max_turns=2,
-                           temperature=1.0, agent_fn="furlong.envs.connectors.harbor:agent")
-    envs = EnvsConfig(connector={"tasks": str(TASKS), "keep_trials": True, "trials_dir": str(tmp_path),
-                                 "timeout_s": 300})
+    config = RolloutConfig(
+        rollout_batch_size=2,
+        n_samples_per_prompt=1,
+        max_new_tokens=24,
+        max_turns=2,
+        temperature=1.0,
+        agent_fn="furlong.envs.connectors.harbor:agent",
+    )
+    envs = EnvsConfig(
+        connector={"tasks": str(TASKS), "keep_trials": True, "trials_dir": str(tmp_path), "timeout_s": 300}
+    )
     source = hc.data_source(envs, seed=0)
 
     async def go():
         async with EngineClient(url) as client:
-            manager = RolloutManager(config, source, client, tok, seed=1, envs=envs)
+            manager = RolloutManager(config, source, client, tok, seed=1, envs=envs, generate_fn=agent_glue.generate)
             batch = await manager.next_batch(0)
             await manager.close()
             return batch, manager.stats()
@@ -111,8 +118,11 @@ def test_trials_on_the_engine_record_exact_tokens_and_the_verifiers_reward(venv,
         with torch.no_grad():
             lp = torch.log_softmax(hf(torch.tensor([s.tokens])).logits[0].float(), -1)
         p = s.prompt_length
-        diffs = [abs(lp[p + j - 1, s.tokens[p + j]].item() - s.rollout_logprobs[j])
-                 for j in range(s.response_length) if s.token_sources[j] == Source.POLICY.value]
+        diffs = [
+            abs(lp[p + j - 1, s.tokens[p + j]].item() - s.rollout_logprobs[j])
+            for j in range(s.response_length)
+            if s.token_sources[j] == Source.POLICY.value
+        ]
         assert diffs and max(diffs) < 1e-4
         # The reward is what Harbor's verifier wrote into the trial directory.
         verifier = Path(meta["trial_dir"]) / "verifier"
@@ -122,17 +132,22 @@ def test_trials_on_the_engine_record_exact_tokens_and_the_verifiers_reward(venv,
         else:
             assert json.loads((verifier / "reward.json").read_text()) == {"reward": 0, "data_intact": 1}
             assert s.reward == {"score": 0.0, "data_intact": 1.0}
-        print(f"\n{name}: prompt {s.prompt_length} tokens, response {s.response_length}, status {s.status}, "
-              f"reward {s.reward}, ended by {meta['ended_by']}, trial {meta['seconds']} s")
+        print(
+            f"\n{name}: prompt {s.prompt_length} tokens, response {s.response_length}, status {s.status}, "
+            f"reward {s.reward}, ended by {meta['ended_by']}, trial {meta['seconds']} s"
+        )
     server = agent_glue._servers[url].server
     assert server.stats()["sessions_open"] == 0
 
 
 def test_terminus_keystrokes_run_in_the_local_environment(venv, model, tmp_path):
     tok = load_tokenizer(model)
-    write = {"analysis": "The file is missing.", "plan": "Write it with echo.",
-             "commands": [{"keystrokes": "echo 'Hello, world!' > /app/hello.txt\n", "duration": 0.5}],
-             "task_complete": True}
+    write = {
+        "analysis": "The file is missing.",
+        "plan": "Write it with echo.",
+        "commands": [{"keystrokes": "echo 'Hello, world!' > /app/hello.txt\n", "duration": 0.5}],
+        "task_complete": True,
+    }
     confirm = {"analysis": "The file is written.", "plan": "Nothing left.", "commands": [], "task_complete": True}
     script = Script(tok, [Turn(json.dumps(write)), Turn(json.dumps(confirm))])
     envs = {"tasks": str(TASKS / "hello-file"), "keep_trials": True, "trials_dir": str(tmp_path)}
@@ -142,8 +157,10 @@ def test_terminus_keystrokes_run_in_the_local_environment(venv, model, tmp_path)
         reward = asyncio.run(hc.agent(sample, sessions.session_url(sid), envs))
         records = httpx.get(f"{sessions.url}/sessions/{sid}/samples").json()
         [recorded] = [Sample.from_dict(d).validate() for d in records]
-    print(f"\nscripted solve: reward {reward}, {recorded.response_length} response tokens, "
-          f"trial {sample.metadata['harbor']['seconds']} s")
+    print(
+        f"\nscripted solve: reward {reward}, {recorded.response_length} response tokens, "
+        f"trial {sample.metadata['harbor']['seconds']} s"
+    )
     assert reward == 1.0 and sample.metadata["harbor"]["ended_by"] is None
     trial = Path(sample.metadata["harbor"]["trial_dir"])
     assert float((trial / "verifier" / "reward.txt").read_text()) == 1.0
@@ -157,8 +174,12 @@ def test_terminus_keystrokes_run_in_the_local_environment(venv, model, tmp_path)
 
 def test_budget_refusal_ends_the_trial_and_the_verifier_still_scores(venv, model, tmp_path):
     tok = load_tokenizer(model)
-    chatter = {"analysis": "Thinking.", "plan": "Look around.", "commands": [{"keystrokes": "ls\n", "duration": 0.1}],
-               "task_complete": False}
+    chatter = {
+        "analysis": "Thinking.",
+        "plan": "Look around.",
+        "commands": [{"keystrokes": "ls\n", "duration": 0.1}],
+        "task_complete": False,
+    }
     script = Script(tok, [Turn(json.dumps(chatter))] * 4)
     envs = {"tasks": str(TASKS / "hello-file"), "trials_dir": str(tmp_path)}
     with ServerThread(SessionServer("http://engine", tok, transport=script.transport())) as sessions:
@@ -206,9 +227,23 @@ def test_train_recipe_runs(venv, model, tmp_path):
     """`furlong train examples/connectors/harbor.yaml`, one step: every sample is a Harbor trial its verifier scored."""
     run_dir = tmp_path / "harbor"
     started = time.monotonic()
-    proc = subprocess.run([sys.executable, "-m", "furlong.cli", "train", "examples/connectors/harbor.yaml",
-                           f"run_dir={run_dir}", "train.total_steps=1", f"model.path={model}"], cwd=ROOT,
-                          env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=280)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "furlong.cli",
+            "train",
+            "examples/connectors/harbor.yaml",
+            f"run_dir={run_dir}",
+            "train.total_steps=1",
+            f"model.path={model}",
+        ],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=280,
+    )
     print(f"\nfurlong train (1 step): {time.monotonic() - started:.1f} s")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     lines = (run_dir / "samples" / "step_0.jsonl").read_text().splitlines()

@@ -27,17 +27,17 @@ import httpx
 import pytest
 import torch
 
-from tests.helpers import engine_process
 from furlong.config.schema import EnvsConfig, RolloutConfig
+from furlong.core.client import EngineClient
+from furlong.core.sample import Sample, Status
 from furlong.data import DataSource
+from furlong.data.chat import encode_prompt
 from furlong.envs import agent as agent_glue
 from furlong.envs.connectors import nemo_gym
 from furlong.envs.connectors.venvs import ensure
 from furlong.models import load_tokenizer
-from furlong.core.client import EngineClient
-from furlong.data.chat import encode_prompt
 from furlong.rollout.manager import RolloutManager
-from furlong.core.sample import Sample, Status
+from tests.helpers import engine_process
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -90,8 +90,14 @@ def test_session_less_routes_name_the_session_and_tokenize_exactly(sessions, tok
     url = sessions.url
     sid = open_session(url, 64, sampling={"seed": 3})
     messages = [{"role": "user", "content": "What is 2 + 3?"}]
-    body = {"messages": messages, "max_tokens": 6, "logprobs": True, "top_logprobs": 0, "return_tokens_as_token_ids": True,
-            "metadata": {"furlong_session": sid}}
+    body = {
+        "messages": messages,
+        "max_tokens": 6,
+        "logprobs": True,
+        "top_logprobs": 0,
+        "return_tokens_as_token_ids": True,
+        "metadata": {"furlong_session": sid},
+    }
     r = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60)
     assert r.status_code == 200, r.text
     entries = r.json()["choices"][0]["logprobs"]["content"]
@@ -100,7 +106,11 @@ def test_session_less_routes_name_the_session_and_tokenize_exactly(sessions, tok
     assert [int(e["token"].removeprefix("token_id:")) for e in entries] == sample.tokens[p:]
     assert [e["logprob"] for e in entries] == sample.rollout_logprobs
     # /tokenize on a served turn's prompt: the ids that turn sent, with or without naming the session.
-    for path, headers in (("/tokenize", {}), (f"/sessions/{sid}/tokenize", {}), ("/tokenize", {"X-Furlong-Session": sid})):
+    for path, headers in (
+        ("/tokenize", {}),
+        (f"/sessions/{sid}/tokenize", {}),
+        ("/tokenize", {"X-Furlong-Session": sid}),
+    ):
         t = httpx.post(f"{url}{path}", json={"model": "m", "messages": messages}, headers=headers).json()
         assert t["tokens"] == sample.tokens[:p] == encode_prompt(tok, messages), path
     # The reply sent back plus a new user turn: never served, so the chat template's ids.
@@ -109,8 +119,12 @@ def test_session_less_routes_name_the_session_and_tokenize_exactly(sessions, tok
     t = httpx.post(f"{url}/sessions/{sid}/tokenize", json={"messages": longer}).json()
     assert t["tokens"] == encode_prompt(tok, longer)
     # The header names the session too; a second turn extends the same Sample.
-    r2 = httpx.post(f"{url}/v1/chat/completions", json={"messages": longer, "max_tokens": 2},
-                    headers={"X-Furlong-Session": sid}, timeout=60)
+    r2 = httpx.post(
+        f"{url}/v1/chat/completions",
+        json={"messages": longer, "max_tokens": 2},
+        headers={"X-Furlong-Session": sid},
+        timeout=60,
+    )
     assert r2.status_code == 200, r2.text
     assert len(httpx.get(f"{url}/sessions/{sid}/samples").json()) == 1
     # Naming no session, or one that does not exist, is an error that says what to send.
@@ -124,12 +138,26 @@ def test_session_less_routes_name_the_session_and_tokenize_exactly(sessions, tok
 
 def verify(resources_url: str, row: dict, text: str) -> float:
     """Ask NeMo Gym's resources server to verify `text` as the answer to `row` (no furlong code involved)."""
-    response = {"id": "resp_check", "created_at": 0, "model": "m", "object": "response", "parallel_tool_calls": False,
-                "tool_choice": "auto", "tools": [],
-                "output": [{"id": "msg_check", "type": "message", "role": "assistant", "status": "completed",
-                            "content": [{"type": "output_text", "text": text, "annotations": []}]}]}
+    response = {
+        "id": "resp_check",
+        "created_at": 0,
+        "model": "m",
+        "object": "response",
+        "parallel_tool_calls": False,
+        "tool_choice": "auto",
+        "tools": [],
+        "output": [
+            {
+                "id": "msg_check",
+                "type": "message",
+                "role": "assistant",
+                "status": "completed",
+                "content": [{"type": "output_text", "text": text, "annotations": []}],
+            }
+        ],
+    }
     for attempt in range(3):  # this independent check talks to NeMo Gym's server directly: a connection
-        try:                  # it resets under load (seen once in CI) is retried, never an answer
+        try:  # it resets under load (seen once in CI) is retried, never an answer
             r = httpx.post(f"{resources_url}/verify", json={**row, "response": response}, timeout=120)
             break
         except httpx.TransportError:
@@ -160,8 +188,9 @@ def test_episodes_keep_engine_tokens_and_nemo_gym_reward(sessions, tok, rows, hf
         text = "".join(c["text"] for c in item["content"] if c["type"] == "output_text")
         assert text == s.metadata["messages"][-1]["content"]
         # The reward is the resources server's: asked again directly, it says the same; it can say 1 too.
-        resources = next(x["url"] for x in nemo_gym.servers(nemo_gym.options(None), url).servers
-                         if x["type"] == "resources_servers")
+        resources = next(
+            x["url"] for x in nemo_gym.servers(nemo_gym.options(None), url).servers if x["type"] == "resources_servers"
+        )
         assert out["reward"] == verify(resources, row, text)
         assert verify(resources, row, f"The answer is \\boxed{{{nemo_gym._text(row['expected_answer'])}}}.") == 1.0
         assert verify(resources, row, "The answer is \\boxed{12345}.") == 0.0
@@ -169,13 +198,19 @@ def test_episodes_keep_engine_tokens_and_nemo_gym_reward(sessions, tok, rows, hf
 
 def test_manager_runs_the_connector_as_agent_fn(engine, tok, sessions, rows):
     url, _ = engine
-    config = RolloutConfig(rollout_batch_size=2, n_samples_per_prompt=2, max_new_tokens=12,
-                           agent_fn="furlong.envs.connectors.nemo_gym:agent")
+    config = RolloutConfig(
+        rollout_batch_size=2,
+        n_samples_per_prompt=2,
+        max_new_tokens=12,
+        agent_fn="furlong.envs.connectors.nemo_gym:agent",
+    )
     source = DataSource([p for p in nemo_gym.data_source(None).dataset][:2], shuffle=False)
 
     async def go():
         async with EngineClient(url) as client:
-            manager = RolloutManager(config, source, client, tok, seed=1, envs=EnvsConfig())
+            manager = RolloutManager(
+                config, source, client, tok, seed=1, envs=EnvsConfig(), generate_fn=agent_glue.generate
+            )
             batch = await manager.next_batch(0)
             await manager.close()
             return batch, manager.stats()
@@ -184,7 +219,9 @@ def test_manager_runs_the_connector_as_agent_fn(engine, tok, sessions, rows):
     assert stats["generate_errors"] == 0 and len(batch) == 4
     for s in batch:
         assert Status(s.status) in (Status.COMPLETED, Status.TRUNCATED), s.status_reason
-        assert s.tokens[: s.prompt_length] == encode_prompt(tok, s.metadata["nemo_gym"]["responses_create_params"]["input"])
+        assert s.tokens[: s.prompt_length] == encode_prompt(
+            tok, s.metadata["nemo_gym"]["responses_create_params"]["input"]
+        )
         assert 0 < s.response_length <= 12
         assert s.reward == s.metadata["nemo_gym_verify"]["reward"] and s.reward in (0.0, 1.0)
         assert s.metadata["nemo_gym_verify"]["expected_answer"] == s.label
@@ -192,14 +229,21 @@ def test_manager_runs_the_connector_as_agent_fn(engine, tok, sessions, rows):
 
 
 def test_bad_connector_options_name_the_field(rows):
-    bad = [({"bogus": 1}, "envs.connector.bogus"), ({"timeout_s": 0}, "envs.connector.timeout_s"),
-           ({"config_paths": []}, "envs.connector.config_paths"), ({"overrides": [1]}, "envs.connector.overrides"),
-           ({"model": 3}, "envs.connector.model")]
+    bad = [
+        ({"bogus": 1}, "envs.connector.bogus"),
+        ({"timeout_s": 0}, "envs.connector.timeout_s"),
+        ({"config_paths": []}, "envs.connector.config_paths"),
+        ({"overrides": [1]}, "envs.connector.overrides"),
+        ({"model": 3}, "envs.connector.model"),
+    ]
     for connector, field in bad:
         with pytest.raises(ValueError, match=field.replace(".", r"\.")):
             nemo_gym.options(EnvsConfig(connector=connector))
-    for connector, field in (({"agent": "nope"}, "envs.connector.agent"), ({"dataset": "nope"}, "envs.connector.dataset"),
-                             ({"config_paths": ["nope.yaml"]}, "envs.connector.config_paths")):
+    for connector, field in (
+        ({"agent": "nope"}, "envs.connector.agent"),
+        ({"dataset": "nope"}, "envs.connector.dataset"),
+        ({"config_paths": ["nope.yaml"]}, "envs.connector.config_paths"),
+    ):
         with pytest.raises(Exception, match=field.replace(".", r"\.")):
             nemo_gym.rows(EnvsConfig(connector=connector))
     with pytest.raises(ValueError, match="not a furlong session URL"):
@@ -209,11 +253,26 @@ def test_bad_connector_options_name_the_field(rows):
 @pytest.mark.extended  # a whole `furlong train` run (about a minute): `make test-extended`
 def test_train_on_the_example_recipe(tmp_path):
     run = tmp_path / "run"
-    out = subprocess.run([sys.executable, "-m", "furlong.cli", "train", str(ROOT / "examples/connectors/nemo_gym.yaml"),
-                          f"run_dir={run}", "train.total_steps=1"], capture_output=True, text=True, timeout=600, cwd=ROOT)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "furlong.cli",
+            "train",
+            str(ROOT / "examples/connectors/nemo_gym.yaml"),
+            f"run_dir={run}",
+            "train.total_steps=1",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
+    )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert json.loads((run / "result.json").read_text())["steps"] == 1
-    trained = [json.loads(line) for f in sorted((run / "samples").glob("step_*.jsonl")) for line in f.read_text().splitlines()]
+    trained = [
+        json.loads(line) for f in sorted((run / "samples").glob("step_*.jsonl")) for line in f.read_text().splitlines()
+    ]
     assert len(trained) == 4, "rollout_batch_size 2 x n_samples_per_prompt 2"
     for s in trained:  # every sample an episode NeMo Gym ran and scored
         assert s["reward"] == s["metadata"]["nemo_gym_verify"]["reward"]

@@ -29,17 +29,17 @@ from types import SimpleNamespace
 import httpx
 import pytest
 
-from tests.helpers import engine_process
 from furlong.config.schema import EnvsConfig
+from furlong.core.client import EngineClient
+from furlong.core.sample import Sample, Status
+from furlong.data.chat import encode_prompt
 from furlong.envs.connectors import openenv
 from furlong.envs.connectors.venvs import ensure, is_built
 from furlong.envs.multiturn import generate
 from furlong.envs.protocol import build_environment
 from furlong.models import load_tokenizer
-from furlong.core.client import EngineClient
-from furlong.data.chat import encode_prompt
 from furlong.rollout.generate import RolloutContext, derive_seed
-from furlong.core.sample import Sample, Status
+from tests.helpers import engine_process
 
 ROOT = Path(__file__).resolve().parents[2]
 TOKEN = "openenv-test-token"
@@ -77,8 +77,12 @@ def runs(s: Sample) -> list[tuple[str, int, int]]:
 
 async def episodes(url: str, tok, envs: EnvsConfig, prompts) -> list[Sample]:
     async with EngineClient(url, admin_token=TOKEN) as client:
-        ctx = RolloutContext(client=client, tokenizer=tok,
-                             config=SimpleNamespace(max_turns=TURNS, reward_fn=None, group_reward_fn=None), envs=envs)
+        ctx = RolloutContext(
+            client=client,
+            tokenizer=tok,
+            config=SimpleNamespace(max_turns=TURNS, reward_fn=None, group_reward_fn=None),
+            envs=envs,
+        )
 
         async def one(i, p):
             s = Sample(index=i, prompt=p.prompt, tokens=encode_prompt(tok, p.prompt), metadata=dict(p.metadata))
@@ -98,7 +102,10 @@ def test_echo_episodes_on_the_engine(built, engine):
     server = openenv.server_url(openenv.Options.parse(envs.connector))  # the server the episodes used
 
     for i, (p, s) in enumerate(zip(prompts, samples)):
-        assert s.status == Status.TRUNCATED and s.status_reason == f"turn limit ({TURNS}) reached", (s.status, s.status_reason)
+        assert s.status == Status.TRUNCATED and s.status_reason == f"turn limit ({TURNS}) reached", (
+            s.status,
+            s.status_reason,
+        )
         assert s.tokens[: s.prompt_length] == encode_prompt(tok, p.prompt + [{"role": "user", "content": READY}])
         assert s.loss_mask == [int(src == "policy") for src in s.token_sources]
         parts = runs(s)
@@ -110,8 +117,18 @@ def test_echo_episodes_on_the_engine(built, engine):
         texts = []
         for turn, (a, b) in enumerate(policy):
             seed = 11 + i if turn == 0 else derive_seed(11 + i, turn, a)
-            out = httpx.post(url + "/generate", json={"input_ids": s.tokens[: s.prompt_length + a], "sampling_params": {
-                "max_new_tokens": BUDGET - a, "temperature": 1.0, "seed": seed, "stop_token_ids": STOP_IDS}}).json()
+            out = httpx.post(
+                url + "/generate",
+                json={
+                    "input_ids": s.tokens[: s.prompt_length + a],
+                    "sampling_params": {
+                        "max_new_tokens": BUDGET - a,
+                        "temperature": 1.0,
+                        "seed": seed,
+                        "stop_token_ids": STOP_IDS,
+                    },
+                },
+            ).json()
             assert out["output_ids"] == s.response_tokens[a:b], f"sample {i} turn {turn}: not the engine's tokens"
             assert set(s.token_versions[a:b]) == {0}
             texts.append(tok.decode(s.response_tokens[a:b], skip_special_tokens=True))
@@ -128,8 +145,10 @@ def test_echo_episodes_on_the_engine(built, engine):
         assert s.reward == {"score": pytest.approx(sum(steps), abs=1e-12), "steps": float(TURNS), "done": 0.0}
     scores = [s.reward["score"] for s in samples]
     print(f"actions of sample 0: {samples[0].metadata['openenv']['actions']}")
-    print(f"rewards: {scores}; response tokens: {[s.response_length for s in samples]}; "
-          f"env tokens: {[s.token_sources.count('env') for s in samples]}")
+    print(
+        f"rewards: {scores}; response tokens: {[s.response_length for s in samples]}; "
+        f"env tokens: {[s.token_sources.count('env') for s in samples]}"
+    )
     assert any(s.token_sources.count("env") for s in samples)
 
 
@@ -206,12 +225,27 @@ def test_train_recipe_runs(built, tmp_path):
     run_dir = tmp_path / "openenv"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     started = time.monotonic()
-    proc = subprocess.run([sys.executable, "-m", "furlong.cli", "train", "examples/connectors/openenv.yaml",
-                           f"run_dir={run_dir}", "train.total_steps=1"], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=280)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "furlong.cli",
+            "train",
+            "examples/connectors/openenv.yaml",
+            f"run_dir={run_dir}",
+            "train.total_steps=1",
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=280,
+    )
     print(f"\nfurlong train (1 step): {time.monotonic() - started:.1f} s")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    samples = [Sample.from_json(line).validate() for line in (run_dir / "samples" / "step_0.jsonl").read_text().splitlines()]
+    samples = [
+        Sample.from_json(line).validate() for line in (run_dir / "samples" / "step_0.jsonl").read_text().splitlines()
+    ]
     assert samples
     for s in samples:
         turns = [m["content"] for m in s.metadata["messages"] if m["role"] == "assistant"]
@@ -220,6 +254,8 @@ def test_train_recipe_runs(built, tmp_path):
         assert s.metadata["openenv"]["actions"] == turns and turns
         assert s.reward["score"] == pytest.approx(sum(min(len(t) * 0.1, 1.0) for t in turns), abs=1e-9)
         assert s.loss_mask == [int(src == "policy") for src in s.token_sources]
-    print(f"rewards: {[s.reward['score'] for s in samples]}; turns: {[len(s.metadata['openenv']['actions']) for s in samples]}")
+    print(
+        f"rewards: {[s.reward['score'] for s in samples]}; turns: {[len(s.metadata['openenv']['actions']) for s in samples]}"
+    )
     result = json.loads((run_dir / "result.json").read_text())
     assert result

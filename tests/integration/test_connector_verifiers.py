@@ -32,16 +32,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import engine_process
 from furlong.config.schema import EnvsConfig, RolloutConfig
+from furlong.core.client import EngineClient
+from furlong.core.sample import Sample, Source, Status
+from furlong.data.chat import encode_prompt
 from furlong.envs import agent as agent_glue
 from furlong.envs.connectors import verifiers as vc
 from furlong.envs.connectors.venvs import VenvError, ensure
 from furlong.models import load_tokenizer
-from furlong.core.client import EngineClient
-from furlong.data.chat import encode_prompt
 from furlong.rollout.manager import RolloutManager
-from furlong.core.sample import Sample, Source, Status
+from tests.helpers import engine_process
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples" / "connectors"
@@ -62,19 +62,29 @@ def engine():
 
 
 def connector(**extra):
-    return {"taskset": TASKSET, "paths": [str(EXAMPLES)], "taskset_args": {"num_tasks": 4},
-            "sampling": {"max_tokens": 8}, "timeout_s": 300, **extra}
+    return {
+        "taskset": TASKSET,
+        "paths": [str(EXAMPLES)],
+        "taskset_args": {"num_tasks": 4},
+        "sampling": {"max_tokens": 8},
+        "timeout_s": 300,
+        **extra,
+    }
 
 
 def rollout(url, tok, conn, *, max_new_tokens):
-    config = RolloutConfig(rollout_batch_size=2, n_samples_per_prompt=2, max_new_tokens=max_new_tokens,
-                           agent_fn="furlong.envs.connectors.verifiers:agent")
+    config = RolloutConfig(
+        rollout_batch_size=2,
+        n_samples_per_prompt=2,
+        max_new_tokens=max_new_tokens,
+        agent_fn="furlong.envs.connectors.verifiers:agent",
+    )
     envs = EnvsConfig(connector=conn)
     source = vc.data_source(envs, seed=0)
 
     async def go():
         async with EngineClient(url) as client:
-            manager = RolloutManager(config, source, client, tok, seed=1, envs=envs)
+            manager = RolloutManager(config, source, client, tok, seed=1, envs=envs, generate_fn=agent_glue.generate)
             batch = await manager.next_batch(0)
             await manager.close()
             return batch, manager.stats()
@@ -95,15 +105,20 @@ def assert_engine_tokens(s: Sample, hf) -> None:
     with torch.no_grad():
         lp = torch.log_softmax(hf(torch.tensor([s.tokens])).logits[0].float(), -1)
     p = s.prompt_length
-    diffs = [abs(lp[p + j - 1, s.tokens[p + j]].item() - s.rollout_logprobs[j])
-             for j in range(s.response_length) if s.token_sources[j] == Source.POLICY.value]
+    diffs = [
+        abs(lp[p + j - 1, s.tokens[p + j]].item() - s.rollout_logprobs[j])
+        for j in range(s.response_length)
+        if s.token_sources[j] == Source.POLICY.value
+    ]
     assert diffs and max(diffs) < 1e-4, f"sample {s.index}: log-probs differ by {max(diffs, default=None)}"
 
 
 def test_data_source_lists_the_taskset(venv):
     prompts = vc.prompts(vc.options(connector()))
-    assert [p.prompt for p in prompts] == [[{"role": "user", "content": f"Reverse the letters of the word: {w}"}]
-                                           for w in ("apple", "river", "stone", "cloud")]
+    assert [p.prompt for p in prompts] == [
+        [{"role": "user", "content": f"Reverse the letters of the word: {w}"}]
+        for w in ("apple", "river", "stone", "cloud")
+    ]
     refs = [p.metadata["verifiers"] for p in prompts]
     assert [r["idx"] for r in refs] == [0, 1, 2, 3] and {r["taskset"] for r in refs} == {TASKSET}
     assert len({r["key"] for r in refs}) == 4 and [p.label for p in prompts] == [f"reverse-{i}" for i in range(4)]
@@ -193,13 +208,28 @@ def test_furlong_train_on_a_verifiers_taskset(venv, tmp_path):
     run_dir = tmp_path / "run"
     before = _drivers()
     t0 = time.monotonic()
-    proc = subprocess.run([sys.executable, "-m", "furlong.cli", "train", "examples/connectors/verifiers.yaml",
-                           f"run_dir={run_dir}", "train.total_steps=2"], cwd=ROOT, capture_output=True, text=True,
-                          timeout=600)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "furlong.cli",
+            "train",
+            "examples/connectors/verifiers.yaml",
+            f"run_dir={run_dir}",
+            "train.total_steps=2",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     print(f"\nfurlong train, 2 steps on {TASKSET}: {time.monotonic() - t0:.1f} s")
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
-    samples = [Sample.from_json(line).validate() for step in (0, 1)
-               for line in (run_dir / "samples" / f"step_{step}.jsonl").read_text().splitlines()]
+    samples = [
+        Sample.from_json(line).validate()
+        for step in (0, 1)
+        for line in (run_dir / "samples" / f"step_{step}.jsonl").read_text().splitlines()
+    ]
     assert len(samples) == 8
     for s in samples:  # the recipe's budget (128) holds both turns (16 tokens each) and the follow-up
         assert s.metadata["verifiers"]["taskset"] == TASKSET and s.metadata["verifiers_episode"]["turns"] == 2

@@ -61,7 +61,9 @@ def test_finished_run_every_endpoint(serve, run):
 
     tl = get(c, "api/timeline").json()
     assert [lane["worker"] for lane in tl["lanes"]] == ["driver", "engine/0", "engine/1", "trainer/0", "trainer/1"]
-    assert sum(len(lane["spans"]) for lane in tl["lanes"]) == w["spans"] and [x["step"] for x in tl["steps"]] == w["steps"]
+    assert (
+        sum(len(lane["spans"]) for lane in tl["lanes"]) == w["spans"] and [x["step"] for x in tl["steps"]] == w["steps"]
+    )
     one = get(c, "api/timeline", step_from=2, step_to=2).json()
     assert {sp["step"] for lane in one["lanes"] for sp in lane["spans"]} == {2}
     cut = get(c, "api/timeline", limit=5).json()
@@ -114,7 +116,12 @@ def test_empty_run_directory(serve, tmp_path):
         r = get(c, path)
         assert r.status_code == 200, path
     assert "no events.sqlite" in get(c, "api/summary").json()["message"]
-    assert get(c, "api/samples").json() == {"total": 0, "rows": [], "statuses": [], "message": get(c, "api/samples").json()["message"]}
+    assert get(c, "api/samples").json() == {
+        "total": 0,
+        "rows": [],
+        "statuses": [],
+        "message": get(c, "api/samples").json()["message"],
+    }
     assert get(c, "api/timeline").json()["lanes"] == []
     assert get(c, "api/samples/1").status_code == 404
     (tmp_path / DB_NAME).touch()  # created by a writer that has not made its tables yet
@@ -183,10 +190,19 @@ def test_run_being_written(serve, tmp_path):
 
 
 def test_cli_serves_and_rejects_a_missing_directory(tmp_path, run):
-    bad = subprocess.run([sys.executable, "-m", "furlong.cli", "dashboard", str(tmp_path / "nope")], capture_output=True, text=True, timeout=60)
+    bad = subprocess.run(
+        [sys.executable, "-m", "furlong.cli", "dashboard", str(tmp_path / "nope")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert bad.returncode == 2 and "does not exist" in bad.stderr
-    proc = subprocess.Popen([sys.executable, "-m", "furlong.cli", "dashboard", str(run[0]), "--port", "0"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "furlong.cli", "dashboard", str(run[0]), "--port", "0"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         line = proc.stdout.readline()
         assert "furlong dashboard:" in line and "http://127.0.0.1:" in line, line + proc.stderr.read()

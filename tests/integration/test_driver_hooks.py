@@ -12,11 +12,16 @@ from tests.integration import driver_hook_plugins as hooks
 
 
 def test_reward_post_process_and_after_save_hooks(tmp_path):
-    cfg = load_config("recipes/debug.yaml", [
-        f"run_dir={tmp_path / 'run'}", "data.n_eval=2", "train.checkpoint_every=1",
-        "rollout.reward_post_fn=tests.integration.driver_hook_plugins:shift_rewards",
-        "train.after_save=tests.integration.driver_hook_plugins:record_save",
-    ])
+    cfg = load_config(
+        "recipes/debug.yaml",
+        [
+            f"run_dir={tmp_path / 'run'}",
+            "data.n_eval=2",
+            "train.checkpoint_every=1",
+            "rollout.reward_post_fn=tests.integration.driver_hook_plugins:shift_rewards",
+            "train.after_save=tests.integration.driver_hook_plugins:record_save",
+        ],
+    )
     hooks.CALLS.clear()
     try:
         result = asyncio.run(Run(cfg).run())
@@ -32,10 +37,16 @@ def test_reward_post_process_and_after_save_hooks(tmp_path):
 
 def test_a_raising_loss_fn_reaches_the_trainer_and_the_run_fails_naming_it(tmp_path):
     """The composition root hands `train.loss_fn` to the trainer ranks: its failure stops the run, naming the key."""
-    cfg = load_config("recipes/debug.yaml", [
-        f"run_dir={tmp_path / 'run'}", "data.n_eval=1", "train.total_steps=1", "observe.tensorboard=false",
-        "train.loss_fn=tests.integration.driver_hook_plugins:raising_loss",
-    ])
+    cfg = load_config(
+        "recipes/debug.yaml",
+        [
+            f"run_dir={tmp_path / 'run'}",
+            "data.n_eval=1",
+            "train.total_steps=1",
+            "observe.tensorboard=false",
+            "train.loss_fn=tests.integration.driver_hook_plugins:raising_loss",
+        ],
+    )
     try:
         with pytest.raises(Exception, match=r"train\.loss_fn .*raising_loss.* raised RuntimeError: loss exploded"):
             asyncio.run(Run(cfg).run())

@@ -77,25 +77,73 @@ json_value = st.recursive(
 small_tokens = st.one_of(json_value, st.integers(-3, 8))
 generate_body = st.fixed_dictionaries(
     {"input_ids": st.one_of(json_value, st.lists(st.integers(-2, 600), max_size=6))},
-    optional={"text": json_value, "rid": json_value, "return_logprob": json_value, "logprob_start_len": json_value,
-              "top_logprobs_num": json_value, "stream": json_value,
-              "sampling_params": st.one_of(json_value, st.fixed_dictionaries({"max_new_tokens": small_tokens}, optional={
-                  k: json_value for k in ("temperature", "top_p", "top_k", "min_p", "stop", "stop_token_ids", "seed", "n", "ignore_eos")}))},
+    optional={
+        "text": json_value,
+        "rid": json_value,
+        "return_logprob": json_value,
+        "logprob_start_len": json_value,
+        "top_logprobs_num": json_value,
+        "stream": json_value,
+        "sampling_params": st.one_of(
+            json_value,
+            st.fixed_dictionaries(
+                {"max_new_tokens": small_tokens},
+                optional={
+                    k: json_value
+                    for k in (
+                        "temperature",
+                        "top_p",
+                        "top_k",
+                        "min_p",
+                        "stop",
+                        "stop_token_ids",
+                        "seed",
+                        "n",
+                        "ignore_eos",
+                    )
+                },
+            ),
+        ),
+    },
 )
 chat_body = st.fixed_dictionaries(
-    {"messages": st.one_of(json_value, st.lists(st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "x"]), "content": json_value}), max_size=2)),
-     "max_tokens": small_tokens},
-    optional={k: json_value for k in ("n", "temperature", "top_p", "logprobs", "top_logprobs", "tools", "stop", "seed", "stream", "return_token_ids")},
+    {
+        "messages": st.one_of(
+            json_value,
+            st.lists(
+                st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "x"]), "content": json_value}),
+                max_size=2,
+            ),
+        ),
+        "max_tokens": small_tokens,
+    },
+    optional={
+        k: json_value
+        for k in (
+            "n",
+            "temperature",
+            "top_p",
+            "logprobs",
+            "top_logprobs",
+            "tools",
+            "stop",
+            "seed",
+            "stream",
+            "return_token_ids",
+        )
+    },
 )
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
-@given(st.one_of(
-    st.tuples(st.just("/generate"), generate_body),
-    st.tuples(st.just("/v1/chat/completions"), chat_body),
-    st.tuples(st.sampled_from(["/v1/completions", "/tokenize", "/detokenize", "/abort_request"]), json_value),
-    st.tuples(st.just("/generate"), st.binary(max_size=20)),
-))
+@given(
+    st.one_of(
+        st.tuples(st.just("/generate"), generate_body),
+        st.tuples(st.just("/v1/chat/completions"), chat_body),
+        st.tuples(st.sampled_from(["/v1/completions", "/tokenize", "/detokenize", "/abort_request"]), json_value),
+        st.tuples(st.just("/generate"), st.binary(max_size=20)),
+    )
+)
 def test_fuzzed_requests_never_5xx(url, case):
     path, body = case
     raw = body if isinstance(body, bytes) else json.dumps(body).encode()  # NaN / Infinity included on purpose

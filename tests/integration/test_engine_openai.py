@@ -42,8 +42,15 @@ def hf_logprobs(hf, ids: list[int]) -> torch.Tensor:
 def test_chat_completion_logprobs_equal_hf(server):
     srv, hf = server
     out = client(srv.url).chat.completions.create(
-        model="tiny", messages=MSGS, max_tokens=12, logprobs=True, top_logprobs=3, temperature=1.0, seed=5,
-        extra_body={"return_token_ids": True, "return_tokens_as_token_ids": True, "ignore_eos": True})
+        model="tiny",
+        messages=MSGS,
+        max_tokens=12,
+        logprobs=True,
+        top_logprobs=3,
+        temperature=1.0,
+        seed=5,
+        extra_body={"return_token_ids": True, "return_tokens_as_token_ids": True, "ignore_eos": True},
+    )
     d = out.model_dump()
     prompt, ids = d["prompt_token_ids"], d["choices"][0]["token_ids"]
     tok = httpx.post(srv.url + "/tokenize", json={"messages": MSGS}).json()["tokens"]
@@ -54,7 +61,9 @@ def test_chat_completion_logprobs_equal_hf(server):
     for i, (e, t) in enumerate(zip(entries, ids)):
         assert abs(e.logprob - lp[len(prompt) - 1 + i, t].item()) < 1e-4
         assert len(e.top_logprobs) == 3 and e.top_logprobs[0].logprob >= e.logprob - 1e-6
-    assert out.choices[0].message.content == load_tokenizer(create_model("qwen3", "tiny")).decode(ids, skip_special_tokens=True)
+    assert out.choices[0].message.content == load_tokenizer(create_model("qwen3", "tiny")).decode(
+        ids, skip_special_tokens=True
+    )
 
 
 def test_streaming_chat_equals_non_streaming(server):
@@ -73,8 +82,9 @@ def test_streaming_chat_equals_non_streaming(server):
 
 def test_completions_and_n(server):
     srv, _ = server
-    out = client(srv.url).completions.create(model="tiny", prompt="What is", max_tokens=6, logprobs=2, n=3, seed=1,
-                                             extra_body={"ignore_eos": True})
+    out = client(srv.url).completions.create(
+        model="tiny", prompt="What is", max_tokens=6, logprobs=2, n=3, seed=1, extra_body={"ignore_eos": True}
+    )
     assert len(out.choices) == 3 and all(len(ch.logprobs.token_logprobs) == 6 for ch in out.choices)
     assert all(len(top) <= 2 for ch in out.choices for top in ch.logprobs.top_logprobs)
     assert len({ch.text for ch in out.choices}) > 1  # three different samples
@@ -83,8 +93,16 @@ def test_completions_and_n(server):
 def test_raw_generate_shape_and_logprobs(server):
     srv, hf = server
     ids = [5, 6, 7, 8]
-    r = httpx.post(srv.url + "/generate", json={"input_ids": ids, "return_logprob": True, "logprob_start_len": 0, "rid": "abc",
-                                                "sampling_params": {"max_new_tokens": 8, "temperature": 0.7, "seed": 3, "ignore_eos": True}})
+    r = httpx.post(
+        srv.url + "/generate",
+        json={
+            "input_ids": ids,
+            "return_logprob": True,
+            "logprob_start_len": 0,
+            "rid": "abc",
+            "sampling_params": {"max_new_tokens": 8, "temperature": 0.7, "seed": 3, "ignore_eos": True},
+        },
+    )
     assert r.status_code == 200, r.text
     d = r.json()
     m = d["meta_info"]
@@ -97,11 +115,27 @@ def test_raw_generate_shape_and_logprobs(server):
     assert max(abs(v - lp[3 + i, t].item()) for i, (v, t, _) in enumerate(m["output_token_logprobs"])) < 1e-4
     assert m["input_token_logprobs"][0][0] is None
     assert max(abs(v - lp[i - 1, t].item()) for i, (v, t, _) in enumerate(m["input_token_logprobs"]) if i) < 1e-4
-    again = httpx.post(srv.url + "/generate", json={"input_ids": ids, "sampling_params": {"max_new_tokens": 8, "temperature": 0.7, "seed": 3, "ignore_eos": True}})
+    again = httpx.post(
+        srv.url + "/generate",
+        json={
+            "input_ids": ids,
+            "sampling_params": {"max_new_tokens": 8, "temperature": 0.7, "seed": 3, "ignore_eos": True},
+        },
+    )
     assert again.json()["output_ids"] == d["output_ids"]
-    batch = httpx.post(srv.url + "/generate", json={"text": ["hello", "What is"], "sampling_params": {"max_new_tokens": 3}}).json()
+    batch = httpx.post(
+        srv.url + "/generate", json={"text": ["hello", "What is"], "sampling_params": {"max_new_tokens": 3}}
+    ).json()
     assert isinstance(batch, list) and len(batch) == 2
-    with httpx.stream("POST", srv.url + "/generate", json={"input_ids": ids, "stream": True, "sampling_params": {"max_new_tokens": 30, "temperature": 0, "ignore_eos": True}}) as s:
+    with httpx.stream(
+        "POST",
+        srv.url + "/generate",
+        json={
+            "input_ids": ids,
+            "stream": True,
+            "sampling_params": {"max_new_tokens": 30, "temperature": 0, "ignore_eos": True},
+        },
+    ) as s:
         events = [json.loads(x[6:]) for x in s.iter_lines() if x.startswith("data: {")]
     assert events[-1]["meta_info"]["finish_reason"]["type"] == "length" and len(events[-1]["output_ids"]) == 30
 
@@ -116,7 +150,9 @@ def test_tokenize_detokenize_info_metrics(server):
     assert httpx.get(srv.url + "/health_generate").status_code == 200
     text = httpx.get(srv.url + "/metrics").text
     assert "# TYPE furlong_engine_generation_tokens_total counter" in text
-    assert any(line.startswith("furlong_engine_requests_total ") and float(line.split()[1]) >= 1 for line in text.splitlines())
+    assert any(
+        line.startswith("furlong_engine_requests_total ") and float(line.split()[1]) >= 1 for line in text.splitlines()
+    )
     assert client(srv.url).models.list().data[0].id
 
 
@@ -141,7 +177,9 @@ class ScriptedModel:
         rows = []
         for row in b.logit_rows.tolist():
             seq = b.seq_tokens[b.token_seq[row]][: int(b.positions[row]) + 1]
-            k = next(j for j in range(len(self.script), -1, -1) if j <= len(seq) and seq[len(seq) - j :] == self.script[:j])
+            k = next(
+                j for j in range(len(self.script), -1, -1) if j <= len(seq) and seq[len(seq) - j :] == self.script[:j]
+            )
             logits = torch.zeros(self.vocab)
             logits[self.script[min(k, len(self.script) - 1)]] = 10.0
             rows.append(logits)
@@ -168,7 +206,9 @@ def test_tool_call_parsed_from_output(tool_server):
     (call,) = ch.message.tool_calls
     assert call.function.name == "sum" and json.loads(call.function.arguments) == {"a": 2, "b": 3}
     assert not ch.message.content
-    stream = list(c.chat.completions.create(model="m", messages=MSGS, tools=tools, max_tokens=64, temperature=0, stream=True))
+    stream = list(
+        c.chat.completions.create(model="m", messages=MSGS, tools=tools, max_tokens=64, temperature=0, stream=True)
+    )
     calls = [tc for s in stream if s.choices for tc in (s.choices[0].delta.tool_calls or [])]
     assert [tc.function.name for tc in calls] == ["sum"]
     assert "".join(s.choices[0].delta.content or "" for s in stream if s.choices) == ""
@@ -193,8 +233,12 @@ def test_furlong_serve_cli_with_admin_token(tmp_path):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env = {**os.environ, "FURLONG_ADMIN_TOKEN": "s3cret", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "furlong.cli", "serve", "--model", str(path), "--port", str(port), "--kv-cache-mb", "2"],
-                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "furlong.cli", "serve", "--model", str(path), "--port", str(port), "--kv-cache-mb", "2"],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.time() + 60
@@ -208,10 +252,17 @@ def test_furlong_serve_cli_with_admin_token(tmp_path):
             assert time.time() < deadline
             time.sleep(0.1)
         assert httpx.post(url + "/flush_cache").status_code == 401
-        assert httpx.post(url + "/pause_generation", json={"mode": "in_place"}, headers={"Authorization": "Bearer nope"}).status_code == 401
+        assert (
+            httpx.post(
+                url + "/pause_generation", json={"mode": "in_place"}, headers={"Authorization": "Bearer nope"}
+            ).status_code
+            == 401
+        )
         auth = {"Authorization": "Bearer s3cret"}
         assert httpx.post(url + "/flush_cache", headers=auth).status_code == 200
-        r = httpx.post(url + "/generate", json={"input_ids": [5, 6], "sampling_params": {"max_new_tokens": 4, "temperature": 0}})
+        r = httpx.post(
+            url + "/generate", json={"input_ids": [5, 6], "sampling_params": {"max_new_tokens": 4, "temperature": 0}}
+        )
         assert r.status_code == 200 and r.json()["meta_info"]["completion_tokens"] >= 1
     finally:
         proc.terminate()

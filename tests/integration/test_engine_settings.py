@@ -32,7 +32,9 @@ def cached(c: httpx.Client) -> list[int]:
 
 
 def hit_tokens(c: httpx.Client) -> int:
-    return int(re.search(r"^furlong_engine_prefix_cache_hit_tokens_total (\d+)$", c.get("/metrics").text, re.MULTILINE)[1])
+    return int(
+        re.search(r"^furlong_engine_prefix_cache_hit_tokens_total (\d+)$", c.get("/metrics").text, re.MULTILINE)[1]
+    )
 
 
 @pytest.mark.parametrize("prefix_cache, want", [(True, [0, 32]), (False, [0, 0])])
@@ -54,8 +56,9 @@ def test_max_context_refuses_a_longer_prompt_naming_the_context():
         assert r.status_code == 400 and "32-token context" in r.json()["message"]
         r = c.post("/v1/completions", json={"prompt": PROMPT[:20], "max_tokens": 20})
         assert r.status_code == 400 and "32-token context" in r.json()["message"]
-        r = c.post("/generate", json={"input_ids": PROMPT[:20], "sampling_params": {"ignore_eos": True,
-                                                                                    "temperature": 0}})
+        r = c.post(
+            "/generate", json={"input_ids": PROMPT[:20], "sampling_params": {"ignore_eos": True, "temperature": 0}}
+        )
         assert r.status_code == 200 and r.json()["meta_info"]["completion_tokens"] == 12  # default fills the window
         assert c.get("/get_model_info").json()["max_context"] == 32
     eng.stop()
@@ -71,11 +74,17 @@ def test_max_context_over_the_model_is_refused_at_start():
 
 
 def test_furlong_serve_flags_reach_the_engine():
-    with engine_process("tok", "--max-context", "32", "--no-prefix-cache") as (url, _), \
-            httpx.Client(base_url=url, timeout=60) as c:
+    with (
+        engine_process("tok", "--max-context", "32", "--no-prefix-cache") as (url, _),
+        httpx.Client(base_url=url, timeout=60) as c,
+    ):
         assert c.get("/get_model_info").json()["max_context"] == 32
         assert c.post("/generate", json={"input_ids": PROMPT}).status_code == 400
         prompt = PROMPT[:20]  # one full 16-token block: a repeat would reuse it with the cache on
-        got = [c.post("/generate", json={"input_ids": prompt, "sampling_params": GREEDY}).json()
-               ["meta_info"]["cached_tokens"] for _ in range(2)]
+        got = [
+            c.post("/generate", json={"input_ids": prompt, "sampling_params": GREEDY}).json()["meta_info"][
+                "cached_tokens"
+            ]
+            for _ in range(2)
+        ]
         assert got == [0, 0] and hit_tokens(c) == 0

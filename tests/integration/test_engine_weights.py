@@ -11,9 +11,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from furlong.engine.engine import Engine
 from furlong.engine.request import Request
 from furlong.engine.sampler import SamplingParams
-from furlong.engine.engine import Engine
 from furlong.engine.server import ServerThread
 from furlong.models import create_model
 from furlong.weights.tensors import write_shm
@@ -35,12 +35,23 @@ def outputs(url: str) -> list[dict]:
 def world():
     old, new = create_model("qwen3", "tiny"), create_model("qwen3", "tiny", seed=1)
     fresh = Engine(new, kv_cache_mb=1).start()
-    want_new = [r.output_ids for r in fresh.generate([Request(p, SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True)) for p in PROMPTS], timeout=60)]
+    want_new = [
+        r.output_ids
+        for r in fresh.generate(
+            [Request(p, SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True)) for p in PROMPTS], timeout=60
+        )
+    ]
     fresh.stop()
     eng = Engine(old, kv_cache_mb=1).start()
     with ServerThread(eng, admin_token=TOKEN) as srv:
-        yield {"url": srv.url, "engine": eng, "old": old, "new": new, "want_new": want_new,
-               "new_sd": AutoModelForCausalLM.from_pretrained(new).state_dict()}
+        yield {
+            "url": srv.url,
+            "engine": eng,
+            "old": old,
+            "new": new,
+            "want_new": want_new,
+            "new_sd": AutoModelForCausalLM.from_pretrained(new).state_dict(),
+        }
     eng.stop()
 
 
@@ -65,7 +76,10 @@ def test_update_from_shared_memory_then_disk(world):
     bad_shape = {**world["new_sd"], "lm_head.weight": torch.zeros(3, 3)}
     r = post_shm(url, bad_shape)
     assert r.status_code == 400 and "lm_head.weight" in r.json()["error"]["message"]
-    assert httpx.post(url + "/update_weights_from_tensor", json={"shm": {"shm_name": "nope"}}, headers=AUTH).status_code == 400
+    assert (
+        httpx.post(url + "/update_weights_from_tensor", json={"shm": {"shm_name": "nope"}}, headers=AUTH).status_code
+        == 400
+    )
     assert httpx.post(url + "/update_weights_from_tensor", json={"shm": {}}).status_code == 401
     assert [o["output_ids"] for o in outputs(url)] == [o["output_ids"] for o in before]
     assert httpx.get(url + "/get_weight_version").json()["weight_version"] == 0
@@ -82,7 +96,12 @@ def test_update_from_shared_memory_then_disk(world):
     assert sums["tensors"]["lm_head.weight"]["crc32"] == checksum(world["new_sd"]["lm_head.weight"])
     assert sums["weight_version"] == 1
     # Back to the old weights from disk, with an explicit version.
-    r = httpx.post(url + "/update_weights_from_disk", json={"model_path": str(world["old"]), "weight_version": 7}, headers=AUTH, timeout=60)
+    r = httpx.post(
+        url + "/update_weights_from_disk",
+        json={"model_path": str(world["old"]), "weight_version": 7},
+        headers=AUTH,
+        timeout=60,
+    )
     assert r.status_code == 200 and r.json()["weight_version"] == 7, r.text
     assert [o["output_ids"] for o in outputs(url)] == [o["output_ids"] for o in before]
     r = httpx.post(url + "/update_weights_from_disk", json={"model_path": "/no/such/dir"}, headers=AUTH)
@@ -97,17 +116,40 @@ def test_update_from_distributed_group(world):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     result: dict = {}
-    t = threading.Thread(target=lambda: result.setdefault("init", httpx.post(
-        url + "/init_weights_update_group", headers=AUTH, timeout=60,
-        json={"master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 2, "group_name": "g"})))
+    t = threading.Thread(
+        target=lambda: result.setdefault(
+            "init",
+            httpx.post(
+                url + "/init_weights_update_group",
+                headers=AUTH,
+                timeout=60,
+                json={
+                    "master_address": "127.0.0.1",
+                    "master_port": port,
+                    "rank_offset": 1,
+                    "world_size": 2,
+                    "group_name": "g",
+                },
+            ),
+        )
+    )
     t.start()
     group = init_group("127.0.0.1", port, 2, 0)
     t.join(60)
     assert result["init"].status_code == 200, result["init"].text
     sd = world["new_sd"]
     names = list(sd)
-    body = {"names": names, "dtypes": ["float32"] * len(names), "shapes": [list(sd[n].shape) for n in names], "group_name": "g"}
-    t = threading.Thread(target=lambda: result.setdefault("upd", httpx.post(url + "/update_weights_from_distributed", json=body, headers=AUTH, timeout=60)))
+    body = {
+        "names": names,
+        "dtypes": ["float32"] * len(names),
+        "shapes": [list(sd[n].shape) for n in names],
+        "group_name": "g",
+    }
+    t = threading.Thread(
+        target=lambda: result.setdefault(
+            "upd", httpx.post(url + "/update_weights_from_distributed", json=body, headers=AUTH, timeout=60)
+        )
+    )
     t.start()
     for n in names:
         broadcast(group, sd[n].contiguous(), 0)
@@ -119,7 +161,11 @@ def test_update_from_distributed_group(world):
     assert all(o["meta_info"]["weight_version"] == version for o in after)
     # A wrong shape announced over the group: still received (sender never hangs), then refused.
     bad = {**body, "names": ["lm_head.weight"], "dtypes": ["float32"], "shapes": [[2, 2]]}
-    t = threading.Thread(target=lambda: result.__setitem__("bad", httpx.post(url + "/update_weights_from_distributed", json=bad, headers=AUTH, timeout=60)))
+    t = threading.Thread(
+        target=lambda: result.__setitem__(
+            "bad", httpx.post(url + "/update_weights_from_distributed", json=bad, headers=AUTH, timeout=60)
+        )
+    )
     t.start()
     broadcast(group, torch.ones(2, 2), 0)
     t.join(60)
@@ -132,7 +178,11 @@ def test_retract_update_continue_stamps_versions(world):
     url, eng = world["url"], world["engine"]
     v0 = eng.weight_version
     result: dict = {}
-    t = threading.Thread(target=lambda: result.setdefault("r", httpx.post(url + "/generate", json=greedy_body(PROMPTS[0], 1500), timeout=120)))
+    t = threading.Thread(
+        target=lambda: result.setdefault(
+            "r", httpx.post(url + "/generate", json=greedy_body(PROMPTS[0], 1500), timeout=120)
+        )
+    )
     t.start()
     while not eng.running:
         time.sleep(0.005)
@@ -172,7 +222,9 @@ def test_router_fans_out_weights_checksum_behind_the_admin_token(world):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(Router([world["url"]], admin_token=TOKEN).app, host="127.0.0.1", port=port, log_level="warning"))
+    server = uvicorn.Server(
+        uvicorn.Config(Router([world["url"]], admin_token=TOKEN).app, host="127.0.0.1", port=port, log_level="warning")
+    )
     t = threading.Thread(target=server.run, daemon=True)
     t.start()
     try:

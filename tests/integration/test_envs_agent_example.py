@@ -16,9 +16,9 @@ from pathlib import Path
 import httpx
 
 from furlong.config.registry import load_plugin
+from furlong.core.sample import Sample
 from furlong.envs.session_server import ServerThread, SessionServer
 from furlong.models import load_tokenizer
-from furlong.core.sample import Sample
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
 from envs_scripted_engine import Script, Turn  # noqa: E402
@@ -37,7 +37,9 @@ def test_example_agent_solves_with_the_tool(tiny_model_dir):
         sid = httpx.post(sessions.url + "/sessions").json()["id"]
         task = Sample(prompt=[{"role": "user", "content": "Use the calculator to compute 12 * 34 + 56."}], label=464)
         reward = asyncio.run(example.agent(task, sessions.session_url(sid)))
-        [recorded] = [Sample.from_dict(d).validate() for d in httpx.get(f"{sessions.url}/sessions/{sid}/samples").json()]
+        [recorded] = [
+            Sample.from_dict(d).validate() for d in httpx.get(f"{sessions.url}/sessions/{sid}/samples").json()
+        ]
     assert reward == 1.0
     assert "<tool_response>464</tool_response>" in tok.decode(recorded.response_tokens)
     assert recorded.token_sources.count("tool") == len(tok.encode("464", add_special_tokens=False))

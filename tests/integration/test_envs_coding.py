@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import asyncio
 
+from furlong.core.sample import Sample
 from furlong.envs.coding import CodingEnvironment, code_reward, data_source, extract_code, make_prompts
 from furlong.envs.sandbox.base import SandboxLimits
 from furlong.envs.sandbox.local import LocalSandbox
-from furlong.core.sample import Sample
 
 BOX = LocalSandbox(SandboxLimits(timeout_s=3.0))
 

@@ -25,15 +25,15 @@ import pytest
 import torch
 from openai import OpenAI
 
-from tests.helpers import engine_process
+from furlong.core.client import EngineClient
+from furlong.core.sample import Sample, Source, Status
 from furlong.data import CALCULATOR_TOOL
+from furlong.data.chat import encode_prompt
 from furlong.envs.multiturn import generate
 from furlong.envs.session_server import ServerThread, SessionServer
 from furlong.models import load_tokenizer
-from furlong.core.client import EngineClient
-from furlong.data.chat import encode_prompt
 from furlong.rollout.generate import RolloutContext
-from furlong.core.sample import Sample, Source, Status
+from tests.helpers import engine_process
 
 TOKEN = "envs-test-token"
 QUESTION = {"role": "user", "content": "Use the calculator to compute 12 * 34."}
@@ -76,8 +76,11 @@ def policy_logprobs_match(model, s: Sample) -> float:
     with torch.no_grad():
         lp = torch.log_softmax(model(torch.tensor([s.tokens])).logits[0].float(), -1)
     p = s.prompt_length
-    diffs = [abs(lp[p + j - 1, s.tokens[p + j]].item() - s.rollout_logprobs[j])
-             for j in range(s.response_length) if s.token_sources[j] == Source.POLICY.value]
+    diffs = [
+        abs(lp[p + j - 1, s.tokens[p + j]].item() - s.rollout_logprobs[j])
+        for j in range(s.response_length)
+        if s.token_sources[j] == Source.POLICY.value
+    ]
     assert diffs, "no policy tokens"
     return max(diffs)
 
@@ -97,11 +100,21 @@ def test_openai_agent_session_keeps_engine_ids_and_logprobs(engine, hf):
     tok = load_tokenizer(path)
     im_end = tok.convert_tokens_to_ids("<|im_end|>")
     with ServerThread(SessionServer(url)) as sessions:  # tokenizer found through the engine's /get_model_info
-        sid = httpx.post(sessions.url + "/sessions", json={"metadata": {"task": "calculator"}, "label": 408}).json()["id"]
+        sid = httpx.post(sessions.url + "/sessions", json={"metadata": {"task": "calculator"}, "label": 408}).json()[
+            "id"
+        ]
         # Seeds per turn make each request replayable. An untrained model calls no tool, so the agent
         # sends the calculator's result for the question after every turn (force_tool).
-        messages = load_example().run(sessions.session_url(sid), QUESTION["content"], max_turns=3, force_tool="12 * 34",
-                                      seed=100, max_tokens=8, temperature=1.0, logprobs=True)
+        messages = load_example().run(
+            sessions.session_url(sid),
+            QUESTION["content"],
+            max_turns=3,
+            force_tool="12 * 34",
+            seed=100,
+            max_tokens=8,
+            temperature=1.0,
+            logprobs=True,
+        )
         assert [m["role"] for m in messages] == ["user", "assistant", "tool", "assistant", "tool", "assistant"]
         samples = [Sample.from_dict(d).validate() for d in httpx.get(f"{sessions.url}/sessions/{sid}/samples").json()]
         metrics = httpx.get(sessions.url + "/metrics").text
@@ -114,8 +127,14 @@ def test_openai_agent_session_keeps_engine_ids_and_logprobs(engine, hf):
     expected = encode_prompt(tok, [QUESTION], [CALCULATOR_TOOL["function"]])
     assert s.tokens[: s.prompt_length] == expected
     for turn in range(3):
-        out = httpx.post(url + "/generate", json={"input_ids": expected, "return_logprob": True, "sampling_params": {
-            "max_new_tokens": 8, "temperature": 1.0, "seed": 100 + turn}}).json()
+        out = httpx.post(
+            url + "/generate",
+            json={
+                "input_ids": expected,
+                "return_logprob": True,
+                "sampling_params": {"max_new_tokens": 8, "temperature": 1.0, "seed": 100 + turn},
+            },
+        ).json()
         assert out["output_ids"], "the engine produced a turn"
         expected = expected + out["output_ids"]
         if turn < 2:
@@ -154,8 +173,9 @@ def test_multiturn_generate_on_the_engine(engine, hf):
 
     async def go():
         async with EngineClient(url, admin_token=TOKEN) as client:
-            ctx = RolloutContext(client=client, tokenizer=tok,
-                                 config=SimpleNamespace(max_turns=5, reward_fn=None, group_reward_fn=None))
+            ctx = RolloutContext(
+                client=client, tokenizer=tok, config=SimpleNamespace(max_turns=5, reward_fn=None, group_reward_fn=None)
+            )
             ctx.envs = SimpleNamespace(environment=ContinueEnv, tool_fn=None, timeout_s=5.0)
             prompt = [QUESTION]
             sample = Sample(prompt=prompt, tokens=encode_prompt(tok, prompt))
@@ -175,18 +195,40 @@ def test_multiturn_generate_on_the_engine(engine, hf):
 def test_sessions_command(engine):
     url, path = engine
     port = free_port()
-    cmd = [sys.executable, "-m", "furlong.cli", "envs", "sessions", "--engine", url, "--port", str(port), "--model", str(path)]
-    proc = subprocess.Popen(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    cmd = [
+        sys.executable,
+        "-m",
+        "furlong.cli",
+        "envs",
+        "sessions",
+        "--engine",
+        url,
+        "--port",
+        str(port),
+        "--model",
+        str(path),
+    ]
+    proc = subprocess.Popen(
+        cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+    )
     base = f"http://127.0.0.1:{port}"
     try:
         wait_healthy(base, proc, "furlong envs sessions")
         sid = httpx.post(base + "/sessions").json()["id"]
         reply = OpenAI(base_url=f"{base}/sessions/{sid}/v1", api_key="unused").chat.completions.create(
-            model="furlong", messages=[QUESTION], max_tokens=4, seed=1)
+            model="furlong", messages=[QUESTION], max_tokens=4, seed=1
+        )
         assert reply.usage.completion_tokens == len(httpx.get(f"{base}/sessions/{sid}/samples").json()[0]["loss_mask"])
-        history = [QUESTION, reply.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "More."}]
-        chunks = list(OpenAI(base_url=f"{base}/sessions/{sid}/v1", api_key="unused").chat.completions.create(
-            model="furlong", messages=history, max_tokens=4, seed=2, stream=True))
+        history = [
+            QUESTION,
+            reply.choices[0].message.model_dump(exclude_none=True),
+            {"role": "user", "content": "More."},
+        ]
+        chunks = list(
+            OpenAI(base_url=f"{base}/sessions/{sid}/v1", api_key="unused").chat.completions.create(
+                model="furlong", messages=history, max_tokens=4, seed=2, stream=True
+            )
+        )
         assert chunks[-1].choices[0].finish_reason in ("stop", "length")
         [sample] = httpx.get(f"{base}/sessions/{sid}/samples").json()  # the streamed turn extended the same Sample
         assert sample["metadata"]["turns"] == 2

@@ -53,7 +53,9 @@ def host_ok() -> None:
 
 
 def test_normal_run_reports_its_isolation():
-    r = run("import os, sys\nprint(os.getcwd())\nopen('out.txt', 'w').write('x')\nprint(sys.stdin.read())", stdin="hello")
+    r = run(
+        "import os, sys\nprint(os.getcwd())\nopen('out.txt', 'w').write('x')\nprint(sys.stdin.read())", stdin="hello"
+    )
     assert r["status"] == "ok" and r["exit_code"] == 0, r
     cwd = r["stdout"].splitlines()[0]
     assert cwd.startswith("/tmp/furlong-sandbox-") and not Path(cwd).exists()  # its temp dir is gone
@@ -140,6 +142,9 @@ def test_files_are_placed_and_names_cannot_escape():
 def test_cli_runs_a_file(tmp_path):
     prog = tmp_path / "p.py"
     prog.write_text("print(6 * 7)")
-    out = subprocess.run([sys.executable, "-m", "furlong.cli", "envs", "sandbox", str(prog), "--timeout", "5"],
-                         capture_output=True, text=True)
+    out = subprocess.run(
+        [sys.executable, "-m", "furlong.cli", "envs", "sandbox", str(prog), "--timeout", "5"],
+        capture_output=True,
+        text=True,
+    )
     assert out.returncode == 0 and '"stdout": "42\\n"' in out.stdout

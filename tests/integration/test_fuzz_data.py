@@ -16,15 +16,22 @@ from hypothesis import strategies as st
 from furlong.data.datasets import DataError, load_dataset
 
 MAX_LINE = 400
-json_values = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=20),
-                           lambda kids: st.lists(kids, max_size=3) | st.dictionaries(st.text(max_size=5), kids, max_size=3),
-                           max_leaves=6)
-good = st.builds(lambda p, lab: {"prompt": p, "label": lab}, st.text(min_size=1, max_size=30).filter(str.strip),
-                 json_values.filter(lambda v: v is not None))  # a null label is an error by design
-dumps = lambda v: json.dumps(v).encode()  # noqa: E731
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=20),
+    lambda kids: st.lists(kids, max_size=3) | st.dictionaries(st.text(max_size=5), kids, max_size=3),
+    max_leaves=6,
+)
+good = st.builds(
+    lambda p, lab: {"prompt": p, "label": lab},
+    st.text(min_size=1, max_size=30).filter(str.strip),
+    json_values.filter(lambda v: v is not None),
+)  # a null label is an error by design
+dumps = lambda v: json.dumps(v).encode()
 bad = st.one_of(
     st.builds(lambda lab: {"label": lab}, json_values).map(dumps),  # prompt missing
-    st.builds(lambda p: {"prompt": p, "label": 1}, st.integers() | st.lists(st.integers(), max_size=3) | st.just(" ")).map(dumps),
+    st.builds(
+        lambda p: {"prompt": p, "label": 1}, st.integers() | st.lists(st.integers(), max_size=3) | st.just(" ")
+    ).map(dumps),
     json_values.filter(lambda v: not isinstance(v, dict)).map(dumps),  # not an object
     st.binary(min_size=1, max_size=40).map(lambda b: b.replace(b"\n", b" ") + b"\xff\xfe"),  # invalid UTF-8
     st.text(min_size=1, max_size=30).map(lambda t: ("{" + t.replace("\n", " ")).encode()),  # broken JSON

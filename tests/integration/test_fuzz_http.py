@@ -10,7 +10,6 @@ bodies and token counts get a 4xx.
 from __future__ import annotations
 
 import json
-import re
 import urllib.parse
 from pathlib import Path
 from types import SimpleNamespace
@@ -20,8 +19,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from furlong.core.processes import ManagedProcess, free_port, furlong_argv
 from furlong.core.api import CONTROL_PATHS
+from furlong.core.processes import ManagedProcess, free_port, furlong_argv
 from furlong.models import create_model
 
 TOKEN = "fuzz-admin-token"
@@ -31,7 +30,7 @@ FUZZ = settings(max_examples=120, deadline=None, suppress_health_check=list(Heal
 COUNT: dict[str, int] = {}  # requests sent, per server (printed for docs/reliability.md)
 
 json_values = st.recursive(
-    st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats() | st.text(max_size=30),
+    st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats() | st.text(max_size=30),
     lambda kids: st.lists(kids, max_size=4) | st.dictionaries(st.text(max_size=12), kids, max_size=4),
     max_leaves=12,
 )
@@ -42,11 +41,25 @@ VALID = {  # one valid body per POST endpoint; mutations of these reach deep int
     "/tokenize": {"prompt": "hi"},
     "/detokenize": {"tokens": [1, 2]},
 }
-GET_PATHS = ["/health", "/health_generate", "/get_model_info", "/get_server_info", "/get_weight_version", "/metrics",
-             "/v1/models"]
-SAFE_CONTROL = ["/abort_request", "/pause_generation", "/continue_generation", "/flush_cache",
-                "/update_weights_from_tensor", "/update_weights_from_disk", "/get_weights_checksum",
-                "/destroy_weights_update_group"]  # with the token; the group rendezvous endpoints block by design
+GET_PATHS = [
+    "/health",
+    "/health_generate",
+    "/get_model_info",
+    "/get_server_info",
+    "/get_weight_version",
+    "/metrics",
+    "/v1/models",
+]
+SAFE_CONTROL = [
+    "/abort_request",
+    "/pause_generation",
+    "/continue_generation",
+    "/flush_cache",
+    "/update_weights_from_tensor",
+    "/update_weights_from_disk",
+    "/get_weights_checksum",
+    "/destroy_weights_update_group",
+]  # with the token; the group rendezvous endpoints block by design
 
 
 @st.composite
@@ -61,14 +74,37 @@ def mutated(draw, valid: dict) -> bytes:
     elif how == "delete" and target:
         del target[draw(st.sampled_from(sorted(target)))]
     else:
-        target[draw(st.sampled_from(["stream", "n", "max_new_tokens", "stop", "seed", "logprobs", "rid", "top_k",
-                                     "routing_key", "tools", "return_logprob", "x" * 20]))] = draw(json_values)
+        target[
+            draw(
+                st.sampled_from(
+                    [
+                        "stream",
+                        "n",
+                        "max_new_tokens",
+                        "stop",
+                        "seed",
+                        "logprobs",
+                        "rid",
+                        "top_k",
+                        "routing_key",
+                        "tools",
+                        "return_logprob",
+                        "x" * 20,
+                    ]
+                )
+            )
+        ] = draw(json_values)
     return json.dumps(body).encode()
 
 
 def bodies(valid: dict | None = None):
-    raw = st.one_of(json_values.map(lambda v: json.dumps(v).encode()), st.binary(max_size=200),
-                    st.just(b""), st.just(b"{" * 500), st.just(b"[" * 500 + b"]" * 500))
+    raw = st.one_of(
+        json_values.map(lambda v: json.dumps(v).encode()),
+        st.binary(max_size=200),
+        st.just(b""),
+        st.just(b"{" * 500),
+        st.just(b"[" * 500 + b"]" * 500),
+    )
     return st.one_of(raw, mutated(valid)) if valid else raw
 
 
@@ -90,12 +126,44 @@ def send(client: httpx.Client, who: str, method: str, path: str, body: bytes = b
 def servers(tmp_path_factory):
     logs = tmp_path_factory.mktemp("fuzz_logs")
     eport, rport = free_port(), free_port()
-    engine = ManagedProcess("engine", furlong_argv(
-        "serve", "--model", str(create_model("qwen3", "tiny")), "--port", str(eport), "--admin-token", TOKEN,
-        "--threads", "1", "--kv-cache-mb", "8"), f"http://127.0.0.1:{eport}", logs / "engine.log", threads=1).start(180)
-    router = ManagedProcess("router", furlong_argv(
-        "router", "--engine", engine.url, "--port", str(rport), "--admin-token", TOKEN, "--health-interval", "0.5",
-        "--log-level", "warning"), f"http://127.0.0.1:{rport}", logs / "router.log", threads=1).start(60)
+    engine = ManagedProcess(
+        "engine",
+        furlong_argv(
+            "serve",
+            "--model",
+            str(create_model("qwen3", "tiny")),
+            "--port",
+            str(eport),
+            "--admin-token",
+            TOKEN,
+            "--threads",
+            "1",
+            "--kv-cache-mb",
+            "8",
+        ),
+        f"http://127.0.0.1:{eport}",
+        logs / "engine.log",
+        threads=1,
+    ).start(180)
+    router = ManagedProcess(
+        "router",
+        furlong_argv(
+            "router",
+            "--engine",
+            engine.url,
+            "--port",
+            str(rport),
+            "--admin-token",
+            TOKEN,
+            "--health-interval",
+            "0.5",
+            "--log-level",
+            "warning",
+        ),
+        f"http://127.0.0.1:{rport}",
+        logs / "router.log",
+        threads=1,
+    ).start(60)
     with httpx.Client(base_url=engine.url, timeout=60) as e, httpx.Client(base_url=router.url, timeout=60) as r:
         rss = {"engine": rss_mb(engine.pid), "router": rss_mb(router.pid)}
         yield SimpleNamespace(engine=engine, router=router, e=e, r=r, rss=rss)
@@ -149,9 +217,12 @@ def test_engine_control_endpoints_refuse_without_the_token(servers, path, body, 
 @FUZZ
 @given(path=st.sampled_from(SAFE_CONTROL), data=st.data())
 def test_engine_control_endpoints_with_the_token_never_5xx(servers, path, data):
-    valid = {"/pause_generation": {"mode": "retract"}, "/abort_request": {"rid": "x"},
-             "/update_weights_from_disk": {"model_path": "/nonexistent"},
-             "/update_weights_from_tensor": {"shm": {"shm_name": "x", "tensors": []}}}.get(path)
+    valid = {
+        "/pause_generation": {"mode": "retract"},
+        "/abort_request": {"rid": "x"},
+        "/update_weights_from_disk": {"model_path": "/nonexistent"},
+        "/update_weights_from_tensor": {"shm": {"shm_name": "x", "tensors": []}},
+    }.get(path)
     try:
         send(servers.e, "engine", "POST", path, data.draw(bodies(valid)), AUTH)
     finally:
@@ -161,14 +232,24 @@ def test_engine_control_endpoints_with_the_token_never_5xx(servers, path, data):
 def test_engine_limits_body_size_and_tokens(servers):
     info = servers.e.get("/get_model_info").json()
     max_ctx = info.get("max_context") or info.get("max_model_len") or info.get("context_length") or 2048
-    big = b'{"input_ids": [' + b"1," * (16 * 2**20) + b'1]}'  # 32 MiB
+    big = b'{"input_ids": [' + b"1," * (16 * 2**20) + b"1]}"  # 32 MiB
     r = send(servers.e, "engine", "POST", "/generate", big)
     assert 400 <= r.status_code < 500  # too many tokens (the body itself is read whole: see docs/reliability.md)
-    r = send(servers.e, "engine", "POST", "/generate", json.dumps(
-        {"input_ids": [1] * (max_ctx + 1), "sampling_params": {"max_new_tokens": 1}}).encode())
+    r = send(
+        servers.e,
+        "engine",
+        "POST",
+        "/generate",
+        json.dumps({"input_ids": [1] * (max_ctx + 1), "sampling_params": {"max_new_tokens": 1}}).encode(),
+    )
     assert r.status_code == 400 and "input_ids" in r.text
-    r = send(servers.e, "engine", "POST", "/generate", json.dumps(
-        {"input_ids": [1], "sampling_params": {"max_new_tokens": 10 * max_ctx}}).encode())
+    r = send(
+        servers.e,
+        "engine",
+        "POST",
+        "/generate",
+        json.dumps({"input_ids": [1], "sampling_params": {"max_new_tokens": 10 * max_ctx}}).encode(),
+    )
     assert r.status_code == 400 and "max_new_tokens" in r.text
 
 
@@ -178,8 +259,21 @@ def test_engine_deeply_nested_json_is_a_400(servers):
 
 
 # ---------------------------------------------------------------- router
-URLS = st.one_of(st.sampled_from(["http://127.0.0.1:1", "127.0.0.1:2", "http://localhost:3/x", "ftp://h:1", "http://:9",
-                                  "http://127.0.0.1", "http://[::1:5", ""]), json_values)
+URLS = st.one_of(
+    st.sampled_from(
+        [
+            "http://127.0.0.1:1",
+            "127.0.0.1:2",
+            "http://localhost:3/x",
+            "ftp://h:1",
+            "http://:9",
+            "http://127.0.0.1",
+            "http://[::1:5",
+            "",
+        ]
+    ),
+    json_values,
+)
 
 
 @FUZZ
@@ -191,11 +285,15 @@ def test_router_every_endpoint_never_5xx(servers, data):
         key = data.draw(st.none() | st.text(alphabet=st.characters(min_codepoint=33, max_codepoint=126), max_size=20))
         send(servers.r, "router", "POST", path, data.draw(bodies(VALID[path])), {"X-Routing-Key": key} if key else {})
     elif kind == "get":
-        send(servers.r, "router", "GET", data.draw(st.sampled_from(["/health", "/engines", "/metrics", *GET_PATHS[1:]])))
+        send(
+            servers.r, "router", "GET", data.draw(st.sampled_from(["/health", "/engines", "/metrics", *GET_PATHS[1:]]))
+        )
     elif kind == "control":
         path = data.draw(st.sampled_from(SAFE_CONTROL))
         auth = data.draw(st.sampled_from([AUTH, {}]))
-        query = data.draw(st.sampled_from(["", "?engine=" + servers.engine.url, "?engine=http://127.0.0.1:1", "?engine=%%"]))
+        query = data.draw(
+            st.sampled_from(["", "?engine=" + servers.engine.url, "?engine=http://127.0.0.1:1", "?engine=%%"])
+        )
         try:
             r = send(servers.r, "router", "POST", path + query, data.draw(bodies()), auth)
             if not auth:
@@ -231,17 +329,39 @@ def dashboard(tmp_path_factory):
     print(f"\nfuzz: dashboard: {COUNT.get('dashboard', 0)} requests")
 
 
-DASH = ["/", "/api/summary", "/api/metrics", "/api/timeline", "/api/samples", "/api/groups", "/api/engines",
-        "/api/advisories", "/api/samples/1", "/static/app.js"]
+DASH = [
+    "/",
+    "/api/summary",
+    "/api/metrics",
+    "/api/timeline",
+    "/api/samples",
+    "/api/groups",
+    "/api/engines",
+    "/api/advisories",
+    "/api/samples/1",
+    "/static/app.js",
+]
 PARAMS = ["names", "step_from", "step_to", "limit", "step", "status", "group", "q", "sort", "order", "offset", "x"]
 
 
 @FUZZ
-@given(path=st.one_of(st.sampled_from(DASH), st.text(max_size=30).map(lambda t: "/api/samples/" + urllib.parse.quote(t)),
-                      st.sampled_from(["/static/../../../../etc/passwd", "/static/%2e%2e/%2e%2e/etc/passwd",
-                                       "/static/..%2f..%2fserver.py", "/api/../../etc/passwd"])),
-       params=st.dictionaries(st.sampled_from(PARAMS), st.one_of(st.text(max_size=30), st.integers().map(str)),
-                              max_size=4))
+@given(
+    path=st.one_of(
+        st.sampled_from(DASH),
+        st.text(max_size=30).map(lambda t: "/api/samples/" + urllib.parse.quote(t)),
+        st.sampled_from(
+            [
+                "/static/../../../../etc/passwd",
+                "/static/%2e%2e/%2e%2e/etc/passwd",
+                "/static/..%2f..%2fserver.py",
+                "/api/../../etc/passwd",
+            ]
+        ),
+    ),
+    params=st.dictionaries(
+        st.sampled_from(PARAMS), st.one_of(st.text(max_size=30), st.integers().map(str)), max_size=4
+    ),
+)
 def test_dashboard_every_endpoint_never_5xx_and_never_leaves_its_directory(dashboard, path, params):
     r = send(dashboard, "dashboard", "GET", path + ("?" + urllib.parse.urlencode(params) if params else ""))
     assert "root:" not in r.text and "def create_app" not in r.text  # no file outside the static directory

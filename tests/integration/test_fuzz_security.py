@@ -41,9 +41,16 @@ def test_control_paths_cover_weights_abort_pause_and_flush():
     from furlong.core.api import CONTROL_PATHS
     from furlong.router.server import CONTROL
 
-    need = {"/abort_request", "/pause_generation", "/continue_generation", "/flush_cache",
-            "/update_weights_from_tensor", "/update_weights_from_disk", "/update_weights_from_distributed",
-            "/init_weights_update_group"}
+    need = {
+        "/abort_request",
+        "/pause_generation",
+        "/continue_generation",
+        "/flush_cache",
+        "/update_weights_from_tensor",
+        "/update_weights_from_disk",
+        "/update_weights_from_distributed",
+        "/init_weights_update_group",
+    }
     assert need <= set(CONTROL_PATHS) and need <= set(CONTROL)
 
 
@@ -78,8 +85,13 @@ def _calls(tree: ast.AST):
     for node in ast.walk(tree):
         if isinstance(node, ast.Call):
             f = node.func
-            name = f.id if isinstance(f, ast.Name) else (
-                f"{f.value.id}.{f.attr}" if isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) else None)
+            name = (
+                f.id
+                if isinstance(f, ast.Name)
+                else (
+                    f"{f.value.id}.{f.attr}" if isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) else None
+                )
+            )
             if name:
                 yield name, node
 
@@ -90,8 +102,11 @@ def findings(tree: ast.AST, rel: str) -> list[str]:
     for node in ast.walk(tree):
         if isinstance(node, (ast.Import, ast.ImportFrom)):
             mods = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
-            found += [f"{rel}:{node.lineno}: imports {m}" for m in mods
-                      if m.split(".")[0] in ("pickle", "cPickle", "marshal", "dill", "cloudpickle", "shelve")]
+            found += [
+                f"{rel}:{node.lineno}: imports {m}"
+                for m in mods
+                if m.split(".")[0] in ("pickle", "cPickle", "marshal", "dill", "cloudpickle", "shelve")
+            ]
     for name, call in _calls(tree):
         kw = {k.arg: k.value for k in call.keywords}
         bad = name in ("eval", "exec", "compile", "__import__")
@@ -108,8 +123,11 @@ def findings(tree: ast.AST, rel: str) -> list[str]:
 
 def test_nothing_is_unpickled_or_evaluated():
     """No eval/exec, no pickle/marshal/dill; torch.load only with weights_only=True; yaml only with a SafeLoader."""
-    found = [f for path in sorted(PKG.rglob("*.py"))
-             for f in findings(ast.parse(path.read_text(), str(path)), path.relative_to(PKG).as_posix())]
+    found = [
+        f
+        for path in sorted(PKG.rglob("*.py"))
+        for f in findings(ast.parse(path.read_text(), str(path)), path.relative_to(PKG).as_posix())
+    ]
     assert not found, "code that could run what it reads:\n" + "\n".join(found)
     import yaml
 
@@ -131,9 +149,19 @@ def test_sandboxed_code_runs_in_a_process_of_its_own():
             assert "envs.sandbox" not in text and "envs import sandbox" not in text, path
 
 
-@pytest.mark.parametrize("code", ["exec('1')", "eval('1')", "import pickle", "from marshal import loads",
-                                  "torch.load('x')", "torch.load('x', weights_only=False)",
-                                  "yaml.load('a', Loader=yaml.Loader)", "yaml.unsafe_load('a')"])
+@pytest.mark.parametrize(
+    "code",
+    [
+        "exec('1')",
+        "eval('1')",
+        "import pickle",
+        "from marshal import loads",
+        "torch.load('x')",
+        "torch.load('x', weights_only=False)",
+        "yaml.load('a', Loader=yaml.Loader)",
+        "yaml.unsafe_load('a')",
+    ],
+)
 def test_the_scan_catches_what_it_looks_for(code):
     assert findings(ast.parse(code), "x.py")
 

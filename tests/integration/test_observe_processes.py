@@ -5,9 +5,9 @@ from __future__ import annotations
 import multiprocessing as mp
 import sqlite3
 
+from furlong.core.sample import Sample, Source, Status
 from furlong.observe.reader import RunReader
 from furlong.observe.store import DB_NAME, EventStore
-from furlong.core.sample import Sample, Source, Status
 
 
 def make_sample(index=0) -> Sample:

@@ -24,8 +24,8 @@ def test_remote_workers_write_through_one_collector(ray_local, tmp_path):
 
     @ray.remote(num_cpus=0)
     def worker(name: str, steps: int) -> int:
-        from furlong.observe.collector import collector_actor, remote_store
         from furlong.core.sample import Sample
+        from furlong.observe.collector import collector_actor, remote_store
 
         store = remote_store(collector_actor(run_dir), batch_size=3)  # found by name, not passed in
         for step in range(steps):

@@ -37,8 +37,12 @@ ROOT = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
 STEPS = 3
 HOLD_ENV = "FURLONG_TEST_HOLD_AFTER"  # a file path: once it exists, the reward waits (the run is then "mid-step")
-BASE = ["observe.tensorboard=false", f"train.total_steps={STEPS}", "train.checkpoint_every=1",
-        "rollout.reward_fn=test_rl_runs:parity_reward"]
+BASE = [
+    "observe.tensorboard=false",
+    f"train.total_steps={STEPS}",
+    "train.checkpoint_every=1",
+    "rollout.reward_fn=test_rl_runs:parity_reward",
+]
 
 
 async def parity_reward(sample: Any) -> float:
@@ -91,10 +95,19 @@ class Driver:
 
     def __init__(self, args: list[str], log: Path, env: dict[str, str] | None = None):
         self.log = log
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]), **(env or {})}
+        env = {
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]),
+            **(env or {}),
+        }
         with open(log, "wb") as out:
-            self.proc = subprocess.Popen([sys.executable, "-m", "furlong.cli", "train", *args], cwd=ROOT,
-                                         stdout=out, stderr=subprocess.STDOUT, env=env)
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "furlong.cli", "train", *args],
+                cwd=ROOT,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env=env,
+            )
         self.seen: dict[int, tuple[str | None, str]] = {}  # pid -> (start time, command line)
         self._watch = threading.Thread(target=self._record, daemon=True)
         self._watch.start()
@@ -119,7 +132,7 @@ class Driver:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
-            raise AssertionError(f"furlong train did not finish in {timeout}s:\n{self.tail()}")
+            raise AssertionError(f"furlong train did not finish in {timeout}s:\n{self.tail()}") from None
         self._watch.join()
         return rc
 
@@ -129,14 +142,21 @@ class Driver:
     def leftovers(self, run_dir: Path, grace_s: float = 15.0) -> list[str]:
         """Processes of this run still alive after `grace_s`: descendants, or any holding its token or Ray session."""
         token = (run_dir / "admin_token").read_text().strip()
-        sessions = {part.split("=", 1)[1] for _, cmd in self.seen.values() for part in cmd.split()
-                    if part.startswith("--session-name=")}
+        sessions = {
+            part.split("=", 1)[1]
+            for _, cmd in self.seen.values()
+            for part in cmd.split()
+            if part.startswith("--session-name=")
+        }
         assert any(token in cmd for _, cmd in self.seen.values()), "the engine/router processes were never seen"
         assert sessions, "no Ray head process was seen under the driver"
         deadline = time.monotonic() + grace_s
         while True:
-            alive = [f"{pid}: {cmd[:160]}" for pid, (start, cmd) in self.seen.items()
-                     if start is not None and _start_time(pid) == start]
+            alive = [
+                f"{pid}: {cmd[:160]}"
+                for pid, (start, cmd) in self.seen.items()
+                if start is not None and _start_time(pid) == start
+            ]
             for d in os.listdir("/proc"):
                 if d.isdigit() and int(d) not in self.seen:
                     cmd = _cmdline(int(d))
@@ -148,7 +168,9 @@ class Driver:
 
 
 def train(run_dir: Path, *overrides: str, env: dict[str, str] | None = None) -> Driver:
-    return Driver(["recipes/debug.yaml", *BASE, f"run_dir={run_dir}", *overrides], run_dir.parent / f"{run_dir.name}.log", env)
+    return Driver(
+        ["recipes/debug.yaml", *BASE, f"run_dir={run_dir}", *overrides], run_dir.parent / f"{run_dir.name}.log", env
+    )
 
 
 def finish(driver: Driver, run_dir: Path) -> dict[str, Any]:
@@ -162,8 +184,13 @@ def finish(driver: Driver, run_dir: Path) -> dict[str, Any]:
 def samples(run_dir: Path) -> list[list[Any]]:
     from furlong.core.sample import Sample
 
-    return [[Sample.from_json(line).validate() for line in (run_dir / "samples" / f"step_{i}.jsonl").read_text().splitlines()]
-            for i in range(STEPS)]
+    return [
+        [
+            Sample.from_json(line).validate()
+            for line in (run_dir / "samples" / f"step_{i}.jsonl").read_text().splitlines()
+        ]
+        for i in range(STEPS)
+    ]
 
 
 def weights(run_dir: Path, step: int = STEPS) -> dict[str, torch.Tensor]:
@@ -247,8 +274,13 @@ def test_async_with_staleness_0_and_colocated_engine_equal_sync(sync_run):
     want_samples, want_weights = samples(sync_run), weights(sync_run)
     # Both at once: start-up is mostly waiting on imports and processes, and neither run's
     # samples may depend on timing anyway.
-    drivers = {name: train(root / name, *overrides) for name, overrides in {
-        "async": ["rollout.mode=async", "rollout.max_staleness=0"], "colocated": ["cluster.colocate=true"]}.items()}
+    drivers = {
+        name: train(root / name, *overrides)
+        for name, overrides in {
+            "async": ["rollout.mode=async", "rollout.max_staleness=0"],
+            "colocated": ["cluster.colocate=true"],
+        }.items()
+    }
     for name, driver in drivers.items():
         result = finish(driver, root / name)
         assert result["steps"] == STEPS, name

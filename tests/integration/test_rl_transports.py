@@ -62,9 +62,18 @@ def test_one_step_with_each_transport_leaves_engine_weights_equal_to_the_trainer
 
     (tmp_path / "run").mkdir()
     (tmp_path / "run" / "admin_token").write_text(TOKEN)
-    cfg = load_config(str(ROOT / "recipes" / "debug.yaml"), [
-        f"run_dir={tmp_path / 'run'}", "train.total_steps=1", "data.n_eval=1", "observe.tensorboard=false",
-        f"weights.transport={transport}", "weights.verify=true", "algo.entropy_coef=0.01"])
+    cfg = load_config(
+        str(ROOT / "recipes" / "debug.yaml"),
+        [
+            f"run_dir={tmp_path / 'run'}",
+            "train.total_steps=1",
+            "data.n_eval=1",
+            "observe.tensorboard=false",
+            f"weights.transport={transport}",
+            "weights.verify=true",
+            "algo.entropy_coef=0.01",
+        ],
+    )
     result = asyncio.run(Run(cfg, progress=False).run())
     assert result["steps"] == 1
     (m,) = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines() if x.strip()]

@@ -10,19 +10,18 @@ from __future__ import annotations
 
 import asyncio
 
-
 import httpx
 import pytest
 import torch
 
-from tests.helpers import engine_process
-from furlong.data import TASKS, DataSource
-from furlong.models import load_tokenizer
 from furlong.config.schema import RolloutConfig
 from furlong.core.client import EngineClient
+from furlong.core.sample import Status
+from furlong.data import TASKS, DataSource
+from furlong.models import load_tokenizer
 from furlong.rollout.generate import generate
 from furlong.rollout.manager import RolloutManager
-from furlong.core.sample import Status
+from tests.helpers import engine_process
 
 TOKEN = "rollout-test-token"
 
@@ -97,10 +96,25 @@ def test_partial_rollout_resumes_across_an_abort(server, hf):
         return await generate(ctx, sample, {**params, "ignore_eos": True})
 
     async def main():
-        cfg = Cfg(mode="async", rollout_batch_size=1, n_samples_per_prompt=2, max_new_tokens=200, partial_rollout=True, max_staleness=3, max_buffer_groups=2)
+        cfg = Cfg(
+            mode="async",
+            rollout_batch_size=1,
+            n_samples_per_prompt=2,
+            max_new_tokens=200,
+            partial_rollout=True,
+            max_staleness=3,
+            max_buffer_groups=2,
+        )
         async with EngineClient(url, admin_token=TOKEN) as client:
-            mgr = RolloutManager(cfg, DataSource(prompts, seed=0), client, tok, generate_fn=long_generate,
-                                 reward_fn=lambda s: float(s.response_length), initial_version=weight_version(url))
+            mgr = RolloutManager(
+                cfg,
+                DataSource(prompts, seed=0),
+                client,
+                tok,
+                generate_fn=long_generate,
+                reward_fn=lambda s: float(s.response_length),
+                initial_version=weight_version(url),
+            )
             await mgr.next_batch(0)
             for step in range(1, 8):
                 # let the producer get some tokens of the next group in flight (unless it is already done)
@@ -109,7 +123,11 @@ def test_partial_rollout_resumes_across_an_abort(server, hf):
                 await asyncio.sleep(0.05)
                 await mgr.before_weight_sync()  # aborts those requests: they return their tokens so far
                 async with httpx.AsyncClient() as http:
-                    r = await http.post(url + "/update_weights_from_disk", json={"model_path": str(path)}, headers={"Authorization": f"Bearer {TOKEN}"})
+                    r = await http.post(
+                        url + "/update_weights_from_disk",
+                        json={"model_path": str(path)},
+                        headers={"Authorization": f"Bearer {TOKEN}"},
+                    )
                 assert r.status_code == 200, r.text
                 await mgr.on_weights_updated(r.json()["weight_version"])
                 batch = await mgr.next_batch(step)

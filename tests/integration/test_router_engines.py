@@ -23,9 +23,13 @@ import httpx
 import pytest
 
 # slow: two engine processes start (~13 s each on a loaded 2-core machine) and one restarts
-pytestmark = [pytest.mark.slow,
-              pytest.mark.skipif(importlib.util.find_spec("furlong.engine.cli") is None,
-                                 reason="the built-in engine (furlong.engine.cli, `furlong serve`) is not there yet")]
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(
+        importlib.util.find_spec("furlong.engine.cli") is None,
+        reason="the built-in engine (furlong.engine.cli, `furlong serve`) is not there yet",
+    ),
+]
 
 TOKEN = "router-test-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -62,8 +66,12 @@ def wait_for(predicate, what: str, timeout: float = 60):
 
 
 def serve(model: str, port: int) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "furlong.cli", "serve", "--model", model, "--port", str(port),
-                             "--admin-token", TOKEN], env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    return subprocess.Popen(
+        [sys.executable, "-m", "furlong.cli", "serve", "--model", model, "--port", str(port), "--admin-token", TOKEN],
+        env=ENV,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -80,10 +88,26 @@ def fleet(model):
     procs = [serve(model, p) for p in ports]
     urls = [f"http://127.0.0.1:{p}" for p in ports]
     router_port = free_port()
-    router = subprocess.Popen([sys.executable, "-m", "furlong.cli", "router", "--port", str(router_port),
-                               "--admin-token", TOKEN, "--health-interval", "0.3", "--log-level", "warning",
-                               *sum((["--engine", u] for u in urls), [])],
-                              env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    router = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "furlong.cli",
+            "router",
+            "--port",
+            str(router_port),
+            "--admin-token",
+            TOKEN,
+            "--health-interval",
+            "0.3",
+            "--log-level",
+            "warning",
+            *sum((["--engine", u] for u in urls), []),
+        ],
+        env=ENV,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
     procs.append(router)
     router_url = f"http://127.0.0.1:{router_port}"
     try:
@@ -107,8 +131,12 @@ def state_of(router_url: str, url: str) -> str:
 
 
 def generate(url: str, prompt: list[int], n: int = 8, **extra) -> httpx.Response:
-    body = {"input_ids": prompt, "sampling_params": {"max_new_tokens": n, "temperature": 0.0, "ignore_eos": True},
-            "return_logprob": True, **extra}
+    body = {
+        "input_ids": prompt,
+        "sampling_params": {"max_new_tokens": n, "temperature": 0.0, "ignore_eos": True},
+        "return_logprob": True,
+        **extra,
+    }
     return httpx.post(url + "/generate", json=body, timeout=120)
 
 
@@ -139,16 +167,25 @@ def test_openai_client_through_the_router_with_sticky_sessions(fleet):
         seen = set()
         for turn in range(2):
             raw = client.chat.completions.with_raw_response.create(
-                model="tiny", messages=[{"role": "user", "content": f"turn {turn}"}], max_tokens=4, logprobs=True,
-                extra_headers=key)
+                model="tiny",
+                messages=[{"role": "user", "content": f"turn {turn}"}],
+                max_tokens=4,
+                logprobs=True,
+                extra_headers=key,
+            )
             completion = raw.parse()
             assert completion.choices[0].logprobs.content, "log-probs must pass through the router"
             seen.add(raw.headers["x-furlong-engine"])
         assert len(seen) == 1, f"session-{session} moved between engines: {seen}"
         placed[session] = seen.pop()
     assert set(placed.values()) == set(urls)  # sessions differ, so both engines get some
-    stream = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=6,
-                                            stream=True, extra_body={"ignore_eos": True})
+    stream = client.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=6,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
     chunks = [c for c in stream]
     assert sum(len(c.choices[0].delta.content or "") > 0 for c in chunks if c.choices) >= 1
     assert chunks[-1].choices == [] or chunks[-1].choices[0].finish_reason == "length"
@@ -157,8 +194,12 @@ def test_openai_client_through_the_router_with_sticky_sessions(fleet):
 def test_control_calls_fan_out_to_every_engine(fleet, model):
     router_url, urls, _, _ = fleet
     assert httpx.post(router_url + "/flush_cache", json={}).status_code == 401
-    for path, body in [("/pause_generation", {"mode": "in_place"}), ("/continue_generation", {}),
-                       ("/flush_cache", {}), ("/update_weights_from_disk", {"model_path": model, "weight_version": 7})]:
+    for path, body in [
+        ("/pause_generation", {"mode": "in_place"}),
+        ("/continue_generation", {}),
+        ("/flush_cache", {}),
+        ("/update_weights_from_disk", {"model_path": model, "weight_version": 7}),
+    ]:
         r = httpx.post(router_url + path, json=body, headers=AUTH, timeout=120)
         assert r.status_code == 200 and r.json()["ok"], r.text
         assert set(r.json()["results"]) == set(urls)
@@ -175,18 +216,23 @@ def test_killed_engine_requests_finish_elsewhere_and_it_rejoins_after_restart(fl
     r = httpx.post(router_url + f"/pause_generation?engine={victim}", json={"mode": "retract"}, headers=AUTH)
     assert r.status_code == 200 and list(r.json()["results"]) == [victim]
     # Session keys placed (by the router's own hashing) three on each engine.
-    from furlong.router.policies import rendezvous_pick
     from types import SimpleNamespace
+
+    from furlong.router.policies import rendezvous_pick
 
     candidates = [SimpleNamespace(url=u, inflight=0) for u in urls]
     keys = [k for k in (f"s{i}" for i in range(100)) if rendezvous_pick(k, candidates).url == victim][:3]
     keys += [k for k in (f"s{i}" for i in range(100)) if rendezvous_pick(k, candidates).url == survivor][:3]
     prompts = [[10 + i, 20, 30] for i in range(6)]
     with ThreadPoolExecutor(len(prompts)) as pool:
-        futures = [pool.submit(generate, router_url, p, 6, rid=f"kill-{i}", routing_key=k)
-                   for i, (p, k) in enumerate(zip(prompts, keys))]
-        wait_for(lambda: {e["url"]: e["inflight"] for e in engines(router_url)}[victim] == 3,
-                 "three requests held on the paused engine")
+        futures = [
+            pool.submit(generate, router_url, p, 6, rid=f"kill-{i}", routing_key=k)
+            for i, (p, k) in enumerate(zip(prompts, keys))
+        ]
+        wait_for(
+            lambda: {e["url"]: e["inflight"] for e in engines(router_url)}[victim] == 3,
+            "three requests held on the paused engine",
+        )
         procs[0].send_signal(signal.SIGKILL)
         results = [f.result() for f in futures]
     procs[0].wait()

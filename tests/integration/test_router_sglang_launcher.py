@@ -18,7 +18,7 @@ import pytest
 from furlong.engine.sglang import SGLangConfig, launch
 from furlong.router import serve_in_thread
 
-FAKE_LAUNCH_SERVER = textwrap.dedent('''
+FAKE_LAUNCH_SERVER = textwrap.dedent("""
     import argparse, json, sys
     from http.server import BaseHTTPRequestHandler, HTTPServer
 
@@ -40,7 +40,7 @@ FAKE_LAUNCH_SERVER = textwrap.dedent('''
             pass
 
     HTTPServer((args.host, args.port), H).serve_forever()
-''')
+""")
 
 
 def free_port() -> int:
@@ -61,8 +61,9 @@ def fake_sglang(tmp_path):
 def test_launch_waits_for_health_and_registers_with_the_router(tmp_path, fake_sglang):
     cfg = SGLangConfig(model_path=str(tmp_path), port=free_port(), tp_size=2, return_routed_experts=True)
     with serve_in_thread([], admin_token="tok", health_interval=0.2) as router:
-        server = launch(cfg, router_url=router.url, admin_token="tok", env=fake_sglang, timeout=60,
-                        log_path=tmp_path / "sglang.log")
+        server = launch(
+            cfg, router_url=router.url, admin_token="tok", env=fake_sglang, timeout=60, log_path=tmp_path / "sglang.log"
+        )
         try:
             engines = httpx.get(router.url + "/engines").json()["engines"]
             assert [(e["url"], e["state"]) for e in engines] == [(cfg.url, "healthy")]

@@ -29,9 +29,16 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-CONTROL = ("/abort_request", "/pause_generation", "/continue_generation", "/flush_cache",
-           "/update_weights_from_tensor", "/update_weights_from_disk", "/init_weights_update_group",
-           "/update_weights_from_distributed")
+CONTROL = (
+    "/abort_request",
+    "/pause_generation",
+    "/continue_generation",
+    "/flush_cache",
+    "/update_weights_from_tensor",
+    "/update_weights_from_disk",
+    "/init_weights_update_group",
+    "/update_weights_from_distributed",
+)
 GENERATE_FIELDS = {"input_ids", "text", "sampling_params", "return_logprob", "rid", "stream"}
 SAMPLING_FIELDS = {"temperature", "top_p", "top_k", "max_new_tokens", "stop", "stop_token_ids", "seed"}
 
@@ -90,10 +97,15 @@ def make_engine(name: str, admin_token: str | None = None) -> Starlette:
         await delay(request)
         out = tokens(ids, n)
         v = str(state["version"])
-        meta = {"id": rid, "finish_reason": {"type": "length", "length": n}, "prompt_tokens": len(ids),
-                "completion_tokens": n,
-                "output_token_logprobs": [[-0.25 * (i + 1), t, None] for i, t in enumerate(out)],
-                "weight_version": v, "output_token_versions": [v] * n}
+        meta = {
+            "id": rid,
+            "finish_reason": {"type": "length", "length": n},
+            "prompt_tokens": len(ids),
+            "completion_tokens": n,
+            "output_token_logprobs": [[-0.25 * (i + 1), t, None] for i, t in enumerate(out)],
+            "weight_version": v,
+            "output_token_versions": [v] * n,
+        }
         return JSONResponse({"text": " ".join(map(str, out)), "output_ids": out, "meta_info": meta})
 
     async def chat(request: Request) -> Response:
@@ -110,19 +122,34 @@ def make_engine(name: str, admin_token: str | None = None) -> Starlette:
         words = [f"w{t}" for t in tokens([len(json.dumps(messages))], n)]
         base = {"id": "chatcmpl-1", "created": 1, "model": "standin", "system_fingerprint": name}
         if body.get("stream"):
+
             async def events():
                 for w in words:
-                    chunk = {**base, "object": "chat.completion.chunk",
-                             "choices": [{"index": 0, "delta": {"content": w}, "finish_reason": None}]}
+                    chunk = {
+                        **base,
+                        "object": "chat.completion.chunk",
+                        "choices": [{"index": 0, "delta": {"content": w}, "finish_reason": None}],
+                    }
                     yield f"data: {json.dumps(chunk)}\n\n"
                     await asyncio.sleep(float(request.headers.get("x-test-chunk-delay", "0")))
-                done = {**base, "object": "chat.completion.chunk",
-                        "choices": [{"index": 0, "delta": {}, "finish_reason": "length"}]}
+                done = {
+                    **base,
+                    "object": "chat.completion.chunk",
+                    "choices": [{"index": 0, "delta": {}, "finish_reason": "length"}],
+                }
                 yield f"data: {json.dumps(done)}\n\ndata: [DONE]\n\n"
+
             return StreamingResponse(events(), media_type="text/event-stream")
-        return JSONResponse({**base, "object": "chat.completion", "usage": {
-            "prompt_tokens": 3, "completion_tokens": n, "total_tokens": 3 + n}, "choices": [{
-            "index": 0, "finish_reason": "length", "message": {"role": "assistant", "content": "".join(words)}}]})
+        return JSONResponse(
+            {
+                **base,
+                "object": "chat.completion",
+                "usage": {"prompt_tokens": 3, "completion_tokens": n, "total_tokens": 3 + n},
+                "choices": [
+                    {"index": 0, "finish_reason": "length", "message": {"role": "assistant", "content": "".join(words)}}
+                ],
+            }
+        )
 
     async def tokenize(request: Request) -> Response:
         body = await body_of(request)
@@ -158,9 +185,14 @@ def make_engine(name: str, admin_token: str | None = None) -> Starlette:
             state.update(json.loads(await request.body()))
         return JSONResponse(state)
 
-    routes = [Route("/health", health), Route("/generate", generate, methods=["POST"]),
-              Route("/v1/chat/completions", chat, methods=["POST"]), Route("/tokenize", tokenize, methods=["POST"]),
-              Route("/get_model_info", model_info), Route("/_test/state", test_state, methods=["GET", "POST"])]
+    routes = [
+        Route("/health", health),
+        Route("/generate", generate, methods=["POST"]),
+        Route("/v1/chat/completions", chat, methods=["POST"]),
+        Route("/tokenize", tokenize, methods=["POST"]),
+        Route("/get_model_info", model_info),
+        Route("/_test/state", test_state, methods=["GET", "POST"]),
+    ]
     routes += [Route(p, control, methods=["POST"]) for p in CONTROL]
     return Starlette(routes=routes)
 
@@ -179,8 +211,11 @@ class ThreadServer:
 
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.server = uvicorn.Server(uvicorn.Config(make_engine(name, admin_token), host="127.0.0.1", port=self.port,
-                                                    log_level="error", access_log=False))
+        self.server = uvicorn.Server(
+            uvicorn.Config(
+                make_engine(name, admin_token), host="127.0.0.1", port=self.port, log_level="error", access_log=False
+            )
+        )
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
         while not self.server.started:
@@ -291,8 +326,9 @@ def test_streaming_is_relayed_unchanged(router, engines):
 
 def test_routing_key_is_sticky_and_body_key_is_stripped(router, engines):
     for key in ("alpha", "beta", "gamma", "delta"):
-        header_routed = [httpx.post(router.url + "/generate", json=GEN, headers={"X-Routing-Key": key})
-                         for _ in range(4)]
+        header_routed = [
+            httpx.post(router.url + "/generate", json=GEN, headers={"X-Routing-Key": key}) for _ in range(4)
+        ]
         seen = {r.headers["x-furlong-engine"] for r in header_routed}
         # the stand-in rejects unknown fields: a 200 here means routing_key was removed before forwarding
         body_routed = [httpx.post(router.url + "/generate", json={**GEN, "routing_key": key}) for _ in range(4)]
@@ -304,8 +340,12 @@ def test_routing_key_is_sticky_and_body_key_is_stripped(router, engines):
 
 def test_least_inflight_spreads_concurrent_requests(router, engines):
     with ThreadPoolExecutor(8) as pool:
-        rs = list(pool.map(lambda _: httpx.post(router.url + "/generate", json=GEN, headers={"x-test-delay": "0.3"},
-                                                timeout=30), range(8)))
+        rs = list(
+            pool.map(
+                lambda _: httpx.post(router.url + "/generate", json=GEN, headers={"x-test-delay": "0.3"}, timeout=30),
+                range(8),
+            )
+        )
     by_engine = [r.headers["x-furlong-engine"] for r in rs]
     assert {by_engine.count(s.url) for s in engines} == {4}
     assert all(e["inflight"] == 0 for e in httpx.get(router.url + "/engines").json()["engines"])
@@ -322,8 +362,10 @@ def test_session_affinity_groups_by_prompt_prefix(engines):
         placed = {}
         for prompt in range(20):
             ids = [prompt, 5, 5]
-            where = {httpx.post(handle.url + "/generate", json={**GEN, "input_ids": ids}).headers["x-furlong-engine"]
-                     for _ in range(2)}
+            where = {
+                httpx.post(handle.url + "/generate", json={**GEN, "input_ids": ids}).headers["x-furlong-engine"]
+                for _ in range(2)
+            }
             assert len(where) == 1
             placed[prompt] = where.pop()
     assert len(set(placed.values())) == 2  # different prompts still use both engines
@@ -375,13 +417,21 @@ def test_control_fans_out_and_reports_each_engine(engines):
             auth = {"Authorization": "Bearer tok"}
             r = httpx.post(handle.url + "/pause_generation", json={"mode": "in_place"})
             assert r.status_code == 401 and a.calls() == []
-            for path, body in [("/pause_generation", {"mode": "retract"}), ("/flush_cache", {}),
-                               ("/update_weights_from_disk", {"model_path": "/m"}), ("/continue_generation", {})]:
+            for path, body in [
+                ("/pause_generation", {"mode": "retract"}),
+                ("/flush_cache", {}),
+                ("/update_weights_from_disk", {"model_path": "/m"}),
+                ("/continue_generation", {}),
+            ]:
                 r = httpx.post(handle.url + path, json=body, headers=auth)
                 assert r.status_code == 200 and r.json()["ok"], r.text
                 assert set(r.json()["results"]) == {a.url, b.url}
             assert a.calls() == b.calls() and [c[0] for c in a.calls()] == [
-                "/pause_generation", "/flush_cache", "/update_weights_from_disk", "/continue_generation"]
+                "/pause_generation",
+                "/flush_cache",
+                "/update_weights_from_disk",
+                "/continue_generation",
+            ]
             # all engines reject the same bad request: the caller's 4xx, naming the field
             r = httpx.post(handle.url + "/pause_generation", json={"mode": "sideways"}, headers=auth)
             assert r.status_code == 400 and not r.json()["ok"]
@@ -401,7 +451,7 @@ def test_control_fans_out_and_reports_each_engine(engines):
 
 
 json_values = st.recursive(
-    st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats(allow_nan=False) | st.text(max_size=20),
+    st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats(allow_nan=False) | st.text(max_size=20),
     lambda inner: st.lists(inner, max_size=5) | st.dictionaries(st.text(max_size=10), inner, max_size=5),
     max_leaves=20,
 )
@@ -411,8 +461,19 @@ bodies = st.one_of(
     json_values.map(lambda v: json.dumps(v).encode()),
     st.dictionaries(fields, json_values, max_size=6).map(lambda d: json.dumps({**GEN, **d}).encode()),
 )
-router_paths = st.sampled_from(["/generate", "/v1/chat/completions", "/v1/completions", "/tokenize", "/detokenize",
-                                "/add_engine", "/remove_engine", "/pause_generation", "/abort_request"])
+router_paths = st.sampled_from(
+    [
+        "/generate",
+        "/v1/chat/completions",
+        "/v1/completions",
+        "/tokenize",
+        "/detokenize",
+        "/add_engine",
+        "/remove_engine",
+        "/pause_generation",
+        "/abort_request",
+    ]
+)
 
 
 @pytest.fixture(scope="module")
@@ -422,8 +483,11 @@ def http():
 
 
 @settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(path=router_paths, body=bodies,
-       key=st.none() | st.text(st.characters(min_codepoint=33, max_codepoint=126), max_size=30))
+@given(
+    path=router_paths,
+    body=bodies,
+    key=st.none() | st.text(st.characters(min_codepoint=33, max_codepoint=126), max_size=30),
+)
 def test_fuzzed_requests_never_get_a_5xx(router, engines, http, path, body, key):
     headers = {"content-type": "application/json"} | ({"X-Routing-Key": key} if key is not None else {})
     if path in ("/add_engine", "/remove_engine") and b"url" in body:
@@ -432,7 +496,8 @@ def test_fuzzed_requests_never_get_a_5xx(router, engines, http, path, body, key)
     assert r.status_code < 500, (path, body, r.text)
     assert r.status_code in (200, 404) or "message" in r.json()["error"]
     assert {e["url"]: e["state"] for e in http.get(router.url + "/engines").json()["engines"]} == {
-        s.url: "healthy" for s in engines}
+        s.url: "healthy" for s in engines
+    }
 
 
 def test_failover_when_an_engine_process_is_killed_mid_request():
@@ -442,10 +507,20 @@ def test_failover_when_an_engine_process_is_killed_mid_request():
     try:
         with serve_in_thread(urls, health_interval=0.2) as handle:
             with ThreadPoolExecutor(6) as pool:
-                futures = [pool.submit(httpx.post, handle.url + "/generate", json={**GEN, "rid": f"k{i}"},
-                                       headers={"x-test-delay": "1.0"}, timeout=30) for i in range(6)]
-                wait_for(lambda: all(e["inflight"] == 3 for e in httpx.get(handle.url + "/engines").json()["engines"]),
-                         what="requests in flight on both engines")
+                futures = [
+                    pool.submit(
+                        httpx.post,
+                        handle.url + "/generate",
+                        json={**GEN, "rid": f"k{i}"},
+                        headers={"x-test-delay": "1.0"},
+                        timeout=30,
+                    )
+                    for i in range(6)
+                ]
+                wait_for(
+                    lambda: all(e["inflight"] == 3 for e in httpx.get(handle.url + "/engines").json()["engines"]),
+                    what="requests in flight on both engines",
+                )
                 procs[0].send_signal(signal.SIGKILL)
                 rs = [f.result() for f in futures]
             assert all(r.status_code == 200 for r in rs), [r.text for r in rs]
@@ -468,8 +543,9 @@ def test_broken_stream_ends_with_an_error_event():
     try:
         with serve_in_thread([f"http://127.0.0.1:{port}"], health_interval=0.2) as handle:
             req = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 50, "stream": True}
-            with httpx.stream("POST", handle.url + "/v1/chat/completions", json=req,
-                              headers={"x-test-chunk-delay": "0.1"}) as r:
+            with httpx.stream(
+                "POST", handle.url + "/v1/chat/completions", json=req, headers={"x-test-chunk-delay": "0.1"}
+            ) as r:
                 lines = r.iter_lines()
                 assert next(lines).startswith("data: {")
                 proc.send_signal(signal.SIGKILL)
@@ -483,9 +559,21 @@ def test_broken_stream_ends_with_an_error_event():
 
 def test_cli_starts_a_router_process(engines):
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "furlong.cli", "router", "--port", str(port), "--policy",
-                             "round_robin", *sum((["--engine", s.url] for s in engines), [])],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "furlong.cli",
+            "router",
+            "--port",
+            str(port),
+            "--policy",
+            "round_robin",
+            *sum((["--engine", s.url] for s in engines), []),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
     try:
         url = f"http://127.0.0.1:{port}"
         wait_healthy(url, proc)
@@ -494,8 +582,9 @@ def test_cli_starts_a_router_process(engines):
     finally:
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(20) in (0, -signal.SIGTERM)  # uvicorn re-raises the signal after a clean shutdown
-    bad = subprocess.run([sys.executable, "-m", "furlong.cli", "router", "--engine", "localhost"],
-                         capture_output=True, text=True)
+    bad = subprocess.run(
+        [sys.executable, "-m", "furlong.cli", "router", "--engine", "localhost"], capture_output=True, text=True
+    )
     assert bad.returncode == 2 and "--engine" in bad.stderr and "no port" in bad.stderr
 
 

@@ -19,12 +19,12 @@ from pathlib import Path
 import httpx
 import pytest
 
-from furlong.core.processes import ManagedProcess, free_port
 from furlong.config.schema import EnvsConfig
+from furlong.core.processes import ManagedProcess, free_port
+from furlong.core.sample import Sample
 from furlong.envs.coding import CodingEnvironment, make_prompts
 from furlong.envs.sandbox.base import SandboxLimits
 from furlong.envs.sandbox.factory import build_sandbox
-from furlong.core.sample import Sample
 
 FAKES = Path(__file__).resolve().parents[1] / "fakes"
 KEY = "fake-key-123"
@@ -92,8 +92,13 @@ def test_runner_caps_output_and_time_inside_the_sandbox():
 
     from furlong.envs.sandbox.remote import RUNNER_SOURCE, parse_result
 
-    job = {"files": {"main.py": "import sys, time\nprint('o' * 10**6)\nsys.stdout.flush()\ntime.sleep(60)"},
-           "stdin": "", "timeout_s": 1.0, "memory_mb": 512, "max_output_bytes": 500}
+    job = {
+        "files": {"main.py": "import sys, time\nprint('o' * 10**6)\nsys.stdout.flush()\ntime.sleep(60)"},
+        "stdin": "",
+        "timeout_s": 1.0,
+        "memory_mb": 512,
+        "max_output_bytes": 500,
+    }
     arg = base64.b64encode(json.dumps(job).encode()).decode()
     out = subprocess.run([sys.executable, "-I", "-c", RUNNER_SOURCE, arg], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and len(out.stdout) < 2000, out.stderr  # 1 MB printed, < 2 KB sent back
@@ -108,8 +113,11 @@ def test_ok_and_failing_programs(provider):
 
     async def go():
         try:
-            ok = await box.run("import helper, sys\nprint(helper.X * 6)\nprint(sys.stdin.read().upper())",
-                               files={"helper.py": "X = 7\n"}, stdin="from stdin")
+            ok = await box.run(
+                "import helper, sys\nprint(helper.X * 6)\nprint(sys.stdin.read().upper())",
+                files={"helper.py": "X = 7\n"},
+                stdin="from stdin",
+            )
             bad = await box.run("import sys\nprint('partial')\nraise SystemExit(3)")
             crash = await box.run("print('before')\n1 / 0")
             during = live_sandboxes(url)
@@ -153,8 +161,9 @@ def test_timeout_kills_the_program_and_the_sandbox_stays_usable(provider):
 
     async def go():
         try:
-            hang = await box.run("import time\nprint('started', flush=True)\nwhile True:\n    time.sleep(0.01)",
-                                 timeout_s=1.0)
+            hang = await box.run(
+                "import time\nprint('started', flush=True)\nwhile True:\n    time.sleep(0.01)", timeout_s=1.0
+            )
             after = await box.run("print('next')")
         finally:
             await box.close()
@@ -270,13 +279,20 @@ def test_missing_sdk_names_the_extra():
     process where importing the SDK fails)."""
     import subprocess
 
-    code = ("import sys\nsys.modules['e2b'] = sys.modules['daytona'] = None\n"
-            "from furlong.config.schema import EnvsConfig\nfrom furlong.envs.sandbox.factory import build_sandbox\n"
-            "for name in ('e2b', 'daytona'):\n"
-            "    try:\n        build_sandbox(EnvsConfig(sandbox=name))\n"
-            "    except ImportError as e:\n        print(e)\n")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                         env={**os.environ, "E2B_API_KEY": "k", "DAYTONA_API_KEY": "k"})
+    code = (
+        "import sys\nsys.modules['e2b'] = sys.modules['daytona'] = None\n"
+        "from furlong.config.schema import EnvsConfig\nfrom furlong.envs.sandbox.factory import build_sandbox\n"
+        "for name in ('e2b', 'daytona'):\n"
+        "    try:\n        build_sandbox(EnvsConfig(sandbox=name))\n"
+        "    except ImportError as e:\n        print(e)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "E2B_API_KEY": "k", "DAYTONA_API_KEY": "k"},
+    )
     lines = out.stdout.splitlines()
     assert len(lines) == 2 and all("pip install 'furlong[envs]'" in ln for ln in lines), out
     assert "'e2b'" in lines[0] and "'daytona'" in lines[1]

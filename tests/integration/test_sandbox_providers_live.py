@@ -11,9 +11,9 @@ import asyncio
 import os
 
 import pytest
+from test_sandbox_providers import PROVIDERS, provider_class
 
 from furlong.envs.sandbox.base import SandboxLimits
-from test_sandbox_providers import PROVIDERS, provider_class
 
 
 @pytest.mark.parametrize("name", PROVIDERS)

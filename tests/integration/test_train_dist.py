@@ -23,11 +23,31 @@ def algo(**kw):
     from furlong.config.schema import AlgoConfig
 
     base = dict(
-        name="grpo", advantage="grpo", norm_adv_by_std=True, gamma=1.0, lam=0.95, clip_eps_low=0.2,
-        clip_eps_high=0.28, dual_clip_c=None, ratio_type="token", log_ratio_clamp=20.0, kl_coef=0.05, kl_type="k3",
-        kl_in_reward=False, entropy_coef=0.01, loss_reducer="token_mean", reducer_constant=None, correction="none",
-        correction_level="token", correction_mode="truncate", correction_low=0.5, correction_high=2.0, vf_coef=0.5,
-        value_clip=0.2, distill_mode="advantage", distill_coef=1.0,
+        name="grpo",
+        advantage="grpo",
+        norm_adv_by_std=True,
+        gamma=1.0,
+        lam=0.95,
+        clip_eps_low=0.2,
+        clip_eps_high=0.28,
+        dual_clip_c=None,
+        ratio_type="token",
+        log_ratio_clamp=20.0,
+        kl_coef=0.05,
+        kl_type="k3",
+        kl_in_reward=False,
+        entropy_coef=0.01,
+        loss_reducer="token_mean",
+        reducer_constant=None,
+        correction="none",
+        correction_level="token",
+        correction_mode="truncate",
+        correction_low=0.5,
+        correction_high=2.0,
+        vf_coef=0.5,
+        value_clip=0.2,
+        distill_mode="advantage",
+        distill_coef=1.0,
     )
     base.update(kw)
     return AlgoConfig(**base)
@@ -51,8 +71,9 @@ def make_samples(step: int, n: int = 8):
 # ----------------------------------------------------------------------------- workers
 def _worker(mode: str, out: str, rank: int, world: int, extra: str) -> None:
     torch.set_num_threads(1)
-    from furlong.models import create_model
     from furlong.config.schema import TrainConfig
+    from furlong.models import create_model
+    from furlong.train import dist
     from furlong.train.trainer import Trainer
 
     model = create_model("qwen3", "tiny")
@@ -63,9 +84,12 @@ def _worker(mode: str, out: str, rank: int, world: int, extra: str) -> None:
         weights = dict(tr.state_dict_for_sync())
         if rank == 0:
             torch.save({"metrics": metrics, "weights": weights}, out)
+        dist.close()  # both ranks leave the group together (an exiting rank must not abort the other)
         return
     # resume scenarios: PPO with a critic, a refreshed reference and a warm-up + cosine schedule
-    cfg = TrainConfig(lr=2e-3, micro_batch_tokens=40, lr_schedule="cosine", warmup_steps=2, total_steps=6, ref_update_every=2)
+    cfg = TrainConfig(
+        lr=2e-3, micro_batch_tokens=40, lr_schedule="cosine", warmup_steps=2, total_steps=6, ref_update_every=2
+    )
     tr = Trainer(model, cfg, algo(name="ppo", advantage="gae"), temperature=0.9)
     k, total = 2, 4
     if mode == "second":
@@ -117,8 +141,9 @@ def test_world_size_two_equals_one(tmp_path: Path) -> None:
     assert one["weights"].keys() == two["weights"].keys()
     for name, w in one["weights"].items():
         torch.testing.assert_close(two["weights"][name], w, rtol=0, atol=1e-5, msg=name)
-    from furlong.models import create_model
     from transformers import AutoModelForCausalLM
+
+    from furlong.models import create_model
 
     base = AutoModelForCausalLM.from_pretrained(create_model("qwen3", "tiny")).state_dict()
     assert any(not torch.equal(base[n], w) for n, w in one["weights"].items())

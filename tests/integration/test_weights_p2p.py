@@ -51,13 +51,21 @@ def test_two_fsdp_ranks_each_send_their_own_part():
     try:
         with ServerThread(engine, admin_token=TOKEN) as srv:
             env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "OMP_NUM_THREADS": "1"}
-            procs = [subprocess.Popen([sys.executable, "-c", WORKER, str(r), "2", srv.url, str(new), TOKEN], env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(2)]
+            procs = [
+                subprocess.Popen(
+                    [sys.executable, "-c", WORKER, str(r), "2", srv.url, str(new), TOKEN],
+                    env=env,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE,
+                    text=True,
+                )
+                for r in range(2)
+            ]
             outs = []
             for p in procs:
                 out, err = p.communicate(timeout=180)
                 assert p.returncode == 0, err[-3000:]
-                outs.append(json.loads(next(l for l in out.splitlines() if l.startswith("REPORT "))[7:]))
+                outs.append(json.loads(next(line for line in out.splitlines() if line.startswith("REPORT "))[7:]))
         sums = engine.call(lambda: {n: checksum(t) for n, t in engine.hf.state_dict().items()}).result(60)
         assert sums == {n: checksum(t) for n, t in new_sd.items()}
         assert engine.weight_version == 7 and all(o["verified"] for o in outs)
@@ -68,4 +76,3 @@ def test_two_fsdp_ranks_each_send_their_own_part():
         assert engine.stats["weight_updates_total"] == sum(o["buckets"] for o in outs)
     finally:
         engine.stop()
-

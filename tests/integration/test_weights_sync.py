@@ -17,9 +17,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from furlong.engine.engine import Engine
 from furlong.engine.request import Request
 from furlong.engine.sampler import SamplingParams
-from furlong.engine.engine import Engine
 from furlong.engine.server import ServerThread
 from furlong.models import create_model
 from furlong.weights.factory import make_sender
@@ -40,15 +40,23 @@ def greedy(ids: list[int], n: int = 12) -> dict:
 def world():
     old, new = create_model("qwen3", "tiny"), create_model("qwen3", "tiny", seed=1)
     fresh = Engine(new, kv_cache_mb=1).start()
-    want_new = [r.output_ids for r in fresh.generate(
-        [Request(p, SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True)) for p in PROMPTS], timeout=60)]
+    want_new = [
+        r.output_ids
+        for r in fresh.generate(
+            [Request(p, SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True)) for p in PROMPTS], timeout=60
+        )
+    ]
     fresh.stop()
     engines = [Engine(old, kv_cache_mb=1).start() for _ in range(2)]
     with contextlib.ExitStack() as stack:
         urls = [stack.enter_context(ServerThread(e, admin_token=TOKEN)).url for e in engines]
-        yield {"engines": engines, "urls": urls, "want_new": want_new,
-               "old_sd": dict(AutoModelForCausalLM.from_pretrained(old).state_dict()),
-               "new_sd": dict(AutoModelForCausalLM.from_pretrained(new).state_dict())}
+        yield {
+            "engines": engines,
+            "urls": urls,
+            "want_new": want_new,
+            "old_sd": dict(AutoModelForCausalLM.from_pretrained(old).state_dict()),
+            "new_sd": dict(AutoModelForCausalLM.from_pretrained(new).state_dict()),
+        }
     for e in engines:
         e.stop()
 
@@ -196,7 +204,9 @@ def test_pause_mode_retract_stamps_old_then_new(world, tmp_path):
     reset(world)
     eng, url = world["engines"][0], world["urls"][0]
     result: dict = {}
-    t = threading.Thread(target=lambda: result.setdefault("r", httpx.post(url + "/generate", json=greedy(PROMPTS[0], 600), timeout=120)))
+    t = threading.Thread(
+        target=lambda: result.setdefault("r", httpx.post(url + "/generate", json=greedy(PROMPTS[0], 600), timeout=120))
+    )
     t.start()
     while not (eng.running and len(eng.running[0].output_ids) >= 3):
         pass
@@ -231,7 +241,6 @@ def test_verify_against_engine_checksums(world, tmp_path):
         verify(world["urls"], TOKEN, drifted.items())
     wrong = verify(world["urls"], TOKEN, {"model.norm.weight": 1, "no.such.weight": 2}, raise_on_mismatch=False)
     assert wrong.mismatches == {u: ["model.norm.weight", "no.such.weight"] for u in world["urls"]}
-
 
 
 @pytest.mark.parametrize("reuse", [True, False])

@@ -42,8 +42,12 @@ class Script:
         limit = body["sampling_params"].get("max_new_tokens", 128)
         ids = self.outputs(turn)[:limit]
         finish = turn.finish if len(ids) < limit or turn.finish != "stop" else "length"
-        meta = {"finish_reason": {"type": finish}, "output_token_logprobs": [[-0.5, t, None] for t in ids],
-                "output_token_versions": [turn.version] * len(ids), "weight_version": turn.version}
+        meta = {
+            "finish_reason": {"type": finish},
+            "output_token_logprobs": [[-0.5, t, None] for t in ids],
+            "output_token_versions": [turn.version] * len(ids),
+            "weight_version": turn.version,
+        }
         return httpx.Response(200, json={"output_ids": ids, "text": "", "meta_info": meta})
 
     def transport(self) -> httpx.MockTransport:
@@ -53,5 +57,3 @@ class Script:
         client = EngineClient("http://engine", transport=httpx.MockTransport(self.handler))
         cfg = SimpleNamespace(**{"max_turns": 4, "reward_fn": None, "group_reward_fn": None, **rollout})
         return RolloutContext(client=client, tokenizer=self.tok, config=cfg)
-
-

@@ -88,7 +88,16 @@ class FakeEngine:
             finally:
                 self.active.pop(rid, None)
                 self.aborted.discard(rid)
-            self.log.append({"rid": rid, "input_ids": ids, "output_ids": out, "logprobs": lps, "versions": versions, "finish": finish})
+            self.log.append(
+                {
+                    "rid": rid,
+                    "input_ids": ids,
+                    "output_ids": out,
+                    "logprobs": lps,
+                    "versions": versions,
+                    "finish": finish,
+                }
+            )
             return {
                 "text": " ".join(f"t{t}" for t in out),
                 "output_ids": out,

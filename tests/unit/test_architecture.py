@@ -57,30 +57,39 @@ def _package(root: Path, files: dict[str, str]) -> Path:
 
 def test_the_checks_catch_each_kind_of_violation(tmp_path):
     long_body = "".join(f"    x{i} = {i}\n" for i in range(layout.MAX_FUNCTION_LINES))
-    pkg = _package(tmp_path, {
-        "__init__.py": "",
-        "core/__init__.py": "from furlong.rollout import sample  # core reaches up\n",
-        "config/schema.py": "from furlong.data import tasks\n",
-        "data/tasks.py": "",
-        "rollout/__init__.py": "",
-        "rollout/manager.py": (
-            "from typing import TYPE_CHECKING\n"
-            "if TYPE_CHECKING:\n"
-            "    from furlong.driver import run  # type-only: not a cycle, still against the floors\n"
-            "def late():\n"
-            "    from ..envs import agent  # relative, inside a function: still an import\n"
-            "    return agent\n"),
-        "envs/agent.py": "import furlong.rollout.manager\n",
-        "driver/run.py": "from furlong import cli\nTOP = None\nTOP.acall(\"train_rollout\")\n",
-        "cli.py": "def main():\n" + long_body,
-        "mystery/thing.py": "from furlong.core import x\n",
-    })
+    pkg = _package(
+        tmp_path,
+        {
+            "__init__.py": "",
+            "core/__init__.py": "from furlong.rollout import sample  # core reaches up\n",
+            "config/schema.py": "from furlong.data import tasks\n",
+            "data/tasks.py": "",
+            "rollout/__init__.py": "",
+            "rollout/manager.py": (
+                "from typing import TYPE_CHECKING\n"
+                "if TYPE_CHECKING:\n"
+                "    from furlong.driver import run  # type-only: not a cycle, still against the floors\n"
+                "def late():\n"
+                "    from ..envs import agent  # relative, inside a function: still an import\n"
+                "    return agent\n"
+            ),
+            "envs/agent.py": "import furlong.rollout.manager\n",
+            "driver/run.py": 'from furlong import cli\nTOP = None\nTOP.acall("train_rollout")\n',
+            "cli.py": "def main():\n" + long_body,
+            "mystery/thing.py": "from furlong.core import x\n",
+        },
+    )
     imps = layout.all_imports(pkg)
     assert [sorted({i.source for i in c}) for c in layout.cycles(imps)] == [["envs", "rollout"]]
     assert {(i.source, i.target) for i in layout.leaf_violations(imps)} == {("core", "rollout"), ("config", "data")}
     floors = layout.floor_violations(imps, pkg)
-    for expected in ("rollout -> envs", "rollout -> driver", "driver -> cli", "core -> rollout",
-                     "folder 'mystery' has no floor"):
+    for expected in (
+        "rollout -> envs",
+        "rollout -> driver",
+        "driver -> cli",
+        "core -> rollout",
+        "folder 'mystery' has no floor",
+    ):
         assert any(expected in line for line in floors), (expected, floors)
     assert not any("envs -> rollout" in line for line in floors)  # downwards is fine
     assert [line.split(":")[0] for line in layout.size_violations(pkg)] == ["furlong/cli.py"]
@@ -89,5 +98,6 @@ def test_the_checks_catch_each_kind_of_violation(tmp_path):
 
 def test_a_module_over_the_line_limit_is_reported(tmp_path):
     pkg = _package(tmp_path, {"core/big.py": "x = 1\n" * (layout.MAX_MODULE_LINES + 1), "core/ok.py": "x = 1\n"})
-    assert layout.size_violations(pkg) == [f"furlong/core/big.py: module has {layout.MAX_MODULE_LINES + 1} lines "
-                                           f"(max {layout.MAX_MODULE_LINES})"]
+    assert layout.size_violations(pkg) == [
+        f"furlong/core/big.py: module has {layout.MAX_MODULE_LINES + 1} lines (max {layout.MAX_MODULE_LINES})"
+    ]

@@ -30,13 +30,15 @@ def test_unknown_name_fails_naming_the_known_ones(capsys):
 def test_runs_the_script_with_its_arguments_from_the_repository_root(tmp_path, capfd):
     folder = tmp_path / "benchmarks"
     folder.mkdir()
-    (folder / "echo.py").write_text(textwrap.dedent('''
+    (folder / "echo.py").write_text(
+        textwrap.dedent('''
         """Prints what it was given."""
         import os, sys
         if __name__ == "__main__":
             print("argv", sys.argv[1:], "cwd", os.getcwd(), "python", sys.executable)
             sys.exit(3)
-    '''))
+    ''')
+    )
     assert bench.main(["echo", "--model", "m25"], places=[folder]) == 3  # the benchmark's own exit status
     out = capfd.readouterr().out
     assert "argv ['--model', 'm25']" in out

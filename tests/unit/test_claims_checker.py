@@ -57,16 +57,23 @@ def repo(tmp_path: Path) -> Path:
     """A fake repository on which every check passes."""
     _write(tmp_path, "recipes/thing.yaml", "name: thing\n")
     _write(tmp_path, "recipes/other.yaml", "name: other\n")
-    _write(tmp_path, "tests/unit/test_thing.py", """\
+    _write(
+        tmp_path,
+        "tests/unit/test_thing.py",
+        """\
         import pytest
         def test_works(): pass
         @pytest.mark.parametrize("x", ["a"])
         def test_param(x): pass
         def test_skipped(): pass
-        """)
+        """,
+    )
     _write(tmp_path, ".reports/junit.xml", JUNIT)
     _write(tmp_path, "docs/features.yaml", MANIFEST)
-    _write(tmp_path, "docs/guide.md", """\
+    _write(
+        tmp_path,
+        "docs/guide.md",
+        """\
         # Guide
 
         ## The thing
@@ -81,17 +88,25 @@ def repo(tmp_path: Path) -> Path:
         ## Later
 
         Back to the [index](index.md#furlong).
-        """)
+        """,
+    )
     _write(tmp_path, "docs/index.md", "# furlong\n\n<!-- features:begin -->\n<!-- features:end -->\n")
-    _write(tmp_path, "README.md", "# furlong\n\nRead the [guide](docs/guide.md#the-thing).\n\n"
-                                  "<!-- features:begin -->\n<!-- features:end -->\n")
-    _write(tmp_path, "benchmarks/RESULTS.md", """\
+    _write(
+        tmp_path,
+        "README.md",
+        "# furlong\n\nRead the [guide](docs/guide.md#the-thing).\n\n<!-- features:begin -->\n<!-- features:end -->\n",
+    )
+    _write(
+        tmp_path,
+        "benchmarks/RESULTS.md",
+        """\
         ## Recorded results
 
         | id | result | command | machine | date | commit |
         |---|---|---|---|---|---|
         | speed | 1.8× | `furlong bench speed` | laptop | 2025-01-01 | abc |
-        """)
+        """,
+    )
     _regenerate_tables(tmp_path)
     return tmp_path
 
@@ -174,9 +189,11 @@ def test_unlisted_feature_in_readme_fails(repo: Path) -> None:
 
 def test_working_feature_without_tests_fails(repo: Path) -> None:
     manifest = repo / "docs/features.yaml"
-    manifest.write_text(manifest.read_text().replace(
-        "      - tests/unit/test_thing.py::test_works\n      - tests/unit/test_thing.py::test_param\n", "").replace(
-        "    tests:\n  - id: later", "    tests: []\n  - id: later"))
+    manifest.write_text(
+        manifest.read_text()
+        .replace("      - tests/unit/test_thing.py::test_works\n      - tests/unit/test_thing.py::test_param\n", "")
+        .replace("    tests:\n  - id: later", "    tests: []\n  - id: later")
+    )
     _regenerate_tables(repo)
     _only(check(repo), "docs/features.yaml", 7, "working feature must name the tests")
 
@@ -202,7 +219,9 @@ def test_test_absent_from_report_fails_unless_partial_run(repo: Path) -> None:
 
 def test_failed_test_fails(repo: Path) -> None:
     report = repo / ".reports/junit.xml"
-    report.write_text(JUNIT.replace('name="test_param[a]" time="0.1"/>', 'name="test_param[a]"><failure message="x"/></testcase>'))
+    report.write_text(
+        JUNIT.replace('name="test_param[a]" time="0.1"/>', 'name="test_param[a]"><failure message="x"/></testcase>')
+    )
     _only(check(repo), "docs/features.yaml", 9, "test_param failed")
 
 
@@ -210,7 +229,10 @@ def test_missing_example_fails(repo: Path) -> None:
     (repo / "recipes/thing.yaml").unlink()
     (repo / "recipes/extra.yaml").write_text("x: 1\n")  # keep the recipe count at 2
     problems = check(repo)
-    assert Problem("docs/features.yaml", 6, "feature thing (working): example recipes/thing.yaml does not exist") in problems
+    assert (
+        Problem("docs/features.yaml", 6, "feature thing (working): example recipes/thing.yaml does not exist")
+        in problems
+    )
     assert Problem("README.md", 8, "link 'recipes/thing.yaml': recipes/thing.yaml does not exist") in problems
     assert len(problems) == 2, problems
 
@@ -231,7 +253,10 @@ def test_bad_manifest_status_names_line(repo: Path) -> None:
     manifest = repo / "docs/features.yaml"
     manifest.write_text(manifest.read_text().replace("status: planned", "status: someday"))
     problems = check(repo)
-    assert Problem("docs/features.yaml", 12, "feature later: status 'someday' is not one of working, partial, planned") in problems
+    assert (
+        Problem("docs/features.yaml", 12, "feature later: status 'someday' is not one of working, partial, planned")
+        in problems
+    )
 
 
 def test_perf_figure_must_match_results_and_name_command(repo: Path) -> None:

@@ -53,8 +53,14 @@ def test_docs_site_builds_strictly(tmp_path: Path) -> None:
     if not mkdocs.exists():
         pytest.fail("mkdocs is not installed: it is in the dev extra (`pip install -c constraints.txt -e '.[dev]'`)")
     env = {**os.environ, "NO_MKDOCS_2_WARNING": "1"}
-    proc = subprocess.run([str(mkdocs), "build", "--strict", "--site-dir", str(tmp_path / "site")],
-                          cwd=ROOT, capture_output=True, text=True, env=env, timeout=120)
+    proc = subprocess.run(
+        [str(mkdocs), "build", "--strict", "--site-dir", str(tmp_path / "site")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "WARNING" not in proc.stderr, proc.stderr
     assert (tmp_path / "site" / "index.html").exists()

@@ -43,7 +43,12 @@ def test_every_recipe_loads_and_validates(recipe, tmp_path):
 
 def test_recipe_specifics():
     grpo = load_config(ROOT / "recipes" / "grpo_arithmetic.yaml")
-    assert (grpo.model.arch, grpo.model.size, grpo.data.task, grpo.rollout.mode) == ("qwen3", "small", "arithmetic", "async")
+    assert (grpo.model.arch, grpo.model.size, grpo.data.task, grpo.rollout.mode) == (
+        "qwen3",
+        "small",
+        "arithmetic",
+        "async",
+    )
     debug = load_config(ROOT / "recipes" / "debug.yaml")
     assert (debug.model.size, debug.train.total_steps) == ("tiny", 2)
     assert load_config(ROOT / "recipes" / "ppo_arithmetic.yaml").algo.advantage == "gae"
@@ -52,11 +57,21 @@ def test_recipe_specifics():
 
 
 def test_overrides_are_typed_as_yaml():
-    cfg = load_config(None, [
-        "rollout.n_samples_per_prompt=8", "rollout.partial_rollout=true", "rollout.mode=async",
-        'rollout.stop=["</s>", "\\n\\n"]', "data.n_train=null", "train.lr=3e-4", "train.betas=[0.9, 0.95]",
-        "envs.connector.url=http://127.0.0.1:9000", "envs.connector.retries=3", "name=exp",
-    ])
+    cfg = load_config(
+        None,
+        [
+            "rollout.n_samples_per_prompt=8",
+            "rollout.partial_rollout=true",
+            "rollout.mode=async",
+            'rollout.stop=["</s>", "\\n\\n"]',
+            "data.n_train=null",
+            "train.lr=3e-4",
+            "train.betas=[0.9, 0.95]",
+            "envs.connector.url=http://127.0.0.1:9000",
+            "envs.connector.retries=3",
+            "name=exp",
+        ],
+    )
     assert cfg.rollout.n_samples_per_prompt == 8 and cfg.rollout.partial_rollout is True
     assert cfg.rollout.stop == ["</s>", "\n\n"]
     assert cfg.data.n_train is None
@@ -118,8 +133,16 @@ def test_bad_yaml_and_duplicate_keys_name_the_line(tmp_path):
 
 
 def test_saved_config_reloads_equal(tmp_path):
-    cfg = load_config(None, ["algo.name=dapo", "rollout.mode=async", f"run_dir={tmp_path / 'run'}",
-                             "rollout.n_samples_per_prompt=6", "train.num_steps_per_rollout=3"])
+    cfg = load_config(
+        None,
+        [
+            "algo.name=dapo",
+            "rollout.mode=async",
+            f"run_dir={tmp_path / 'run'}",
+            "rollout.n_samples_per_prompt=6",
+            "train.num_steps_per_rollout=3",
+        ],
+    )
     path = cfg.save()
     assert path == tmp_path / "run" / "config.yaml"
     again = load_config(path)
@@ -134,8 +157,11 @@ def test_config_show_prints_resolved_yaml(capsys):
 
 
 def test_config_show_bad_config_exits_2_without_traceback(capsys, tmp_path):
-    recipe = write(tmp_path, "rollout:\n  rollout_batch_size: 8\n  n_samples_per_prompt: 4\n"
-                             "train:\n  global_batch_size: 16\n  num_steps_per_rollout: 3\n")
+    recipe = write(
+        tmp_path,
+        "rollout:\n  rollout_batch_size: 8\n  n_samples_per_prompt: 4\n"
+        "train:\n  global_batch_size: 16\n  num_steps_per_rollout: 3\n",
+    )
     assert config_main(["show", str(recipe)]) == 2
     err = capsys.readouterr().err
     assert "rollout.rollout_batch_size=8" in err and "train.num_steps_per_rollout=3" in err

@@ -2,16 +2,35 @@
 
 import pytest
 
-from furlong.config import ConfigError, load_config
+from furlong.config import ConfigError, load_config, registry
+from furlong.train.batch import TrainBatch
 
 
-@pytest.mark.parametrize("override, field", [
-    ("engine.quantization=fp8", "engine.quantization"),
-    ("train.qat=int4", "train.qat"),
-    ("rollout.routing_replay=true", "rollout.routing_replay"),
-    ("rollout.rollout_fn=furlong.rollout.generate:generate", "rollout.rollout_fn"),
-    ("train.convert_fn=furlong.rollout.generate:generate", "train.convert_fn"),
-])
+@pytest.mark.parametrize(
+    "override, field",
+    [
+        ("engine.quantization=fp8", "engine.quantization"),
+        ("train.qat=int4", "train.qat"),
+        ("rollout.routing_replay=true", "rollout.routing_replay"),
+        ("rollout.rollout_fn=furlong.rollout.generate:generate", "rollout.rollout_fn"),
+        ("algo.teacher_path=.", "algo.teacher_path"),
+        ("algo.name=distill", "algo.name"),
+    ],
+)
 def test_unbuilt_feature_is_refused(override, field):
     with pytest.raises(ConfigError, match=f"{field}.*not built yet"):
         load_config(None, [override])
+
+
+def test_distill_names_the_teacher_it_lacks():
+    with pytest.raises(ConfigError) as e:
+        load_config(None, ["algo.name=distill"])
+    assert {"algo.name", "algo.teacher_path"} <= set(e.value.fields)
+
+
+def test_convert_fn_is_built_and_accepted():
+    """`train.convert_fn` was refused here until the trainer called it (train/hooks.py, train/trainer.py)."""
+    path = "furlong.train.batch:TrainBatch.from_samples"
+    cfg = load_config(None, [f"train.convert_fn={path}"])
+    assert cfg.train.convert_fn == path
+    assert registry.load_plugin("train.convert_fn", path) == TrainBatch.from_samples

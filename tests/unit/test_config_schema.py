@@ -28,14 +28,26 @@ def test_empty_config_is_valid_on_cpu():
 @pytest.mark.parametrize(
     "given, field, expected",
     [
-        ({"rollout": {"rollout_batch_size": 8, "n_samples_per_prompt": 4}, "train": {"num_steps_per_rollout": 2}},
-         ("train", "global_batch_size"), 16),
-        ({"rollout": {"rollout_batch_size": 8, "n_samples_per_prompt": 4}, "train": {"global_batch_size": 8}},
-         ("train", "num_steps_per_rollout"), 4),
-        ({"rollout": {"n_samples_per_prompt": 4}, "train": {"global_batch_size": 8, "num_steps_per_rollout": 3}},
-         ("rollout", "rollout_batch_size"), 6),
-        ({"rollout": {"rollout_batch_size": 3}, "train": {"global_batch_size": 6, "num_steps_per_rollout": 4}},
-         ("rollout", "n_samples_per_prompt"), 8),
+        (
+            {"rollout": {"rollout_batch_size": 8, "n_samples_per_prompt": 4}, "train": {"num_steps_per_rollout": 2}},
+            ("train", "global_batch_size"),
+            16,
+        ),
+        (
+            {"rollout": {"rollout_batch_size": 8, "n_samples_per_prompt": 4}, "train": {"global_batch_size": 8}},
+            ("train", "num_steps_per_rollout"),
+            4,
+        ),
+        (
+            {"rollout": {"n_samples_per_prompt": 4}, "train": {"global_batch_size": 8, "num_steps_per_rollout": 3}},
+            ("rollout", "rollout_batch_size"),
+            6,
+        ),
+        (
+            {"rollout": {"rollout_batch_size": 3}, "train": {"global_batch_size": 6, "num_steps_per_rollout": 4}},
+            ("rollout", "n_samples_per_prompt"),
+            8,
+        ),
         # fewer than three given: the others keep their defaults and global_batch_size is derived
         ({"rollout": {"n_samples_per_prompt": 8}}, ("train", "global_batch_size"), 4 * 8),
     ],
@@ -48,20 +60,33 @@ def test_invariant_derives_the_missing_field(given, field, expected):
 
 
 def test_invariant_all_four_inconsistent_names_all_four_with_values():
-    e = problems({"rollout": {"rollout_batch_size": 8, "n_samples_per_prompt": 4},
-                  "train": {"global_batch_size": 16, "num_steps_per_rollout": 3}})
+    e = problems(
+        {
+            "rollout": {"rollout_batch_size": 8, "n_samples_per_prompt": 4},
+            "train": {"global_batch_size": 16, "num_steps_per_rollout": 3},
+        }
+    )
     assert len(e.problems) == 1
     msg = str(e)
-    for text in ("rollout.rollout_batch_size=8", "rollout.n_samples_per_prompt=4",
-                 "train.global_batch_size=16", "train.num_steps_per_rollout=3", "32", "48"):
+    for text in (
+        "rollout.rollout_batch_size=8",
+        "rollout.n_samples_per_prompt=4",
+        "train.global_batch_size=16",
+        "train.num_steps_per_rollout=3",
+        "32",
+        "48",
+    ):
         assert text in msg
-    assert set(e.fields) == {"rollout.rollout_batch_size", "rollout.n_samples_per_prompt",
-                             "train.global_batch_size", "train.num_steps_per_rollout"}
+    assert set(e.fields) == {
+        "rollout.rollout_batch_size",
+        "rollout.n_samples_per_prompt",
+        "train.global_batch_size",
+        "train.num_steps_per_rollout",
+    }
 
 
 def test_invariant_non_integer_derivation_is_an_error():
-    e = problems({"rollout": {"rollout_batch_size": 3, "n_samples_per_prompt": 3},
-                  "train": {"global_batch_size": 2}})
+    e = problems({"rollout": {"rollout_batch_size": 3, "n_samples_per_prompt": 3}, "train": {"global_batch_size": 2}})
     assert "cannot derive train.num_steps_per_rollout" in str(e) and "4.5" in str(e)
 
 
@@ -72,7 +97,11 @@ def test_presets_fill_only_unset_fields():
     assert (mine.algo.clip_eps_high, mine.rollout.dynamic_filter, mine.algo.loss_reducer) == (0.3, False, "token_mean")
     dr = Config.from_dict({"algo": {"name": "dr_grpo"}, "rollout": {"max_new_tokens": 48}})
     assert (dr.algo.advantage, dr.algo.norm_adv_by_std, dr.algo.loss_reducer, dr.algo.reducer_constant) == (
-        "dr_grpo", False, "constant", 48.0)
+        "dr_grpo",
+        False,
+        "constant",
+        48.0,
+    )
     assert Config.from_dict({"algo": {"name": "gspo"}}).algo.ratio_type == "sequence"
     assert Config.from_dict({"algo": {"name": "ppo"}}).algo.advantage == "gae"
     assert Config.from_dict({"algo": {"name": "rloo"}}).algo.advantage == "rloo"
@@ -97,11 +126,15 @@ def test_staleness_follows_mode_unless_set():
         ({"algo": {"name": "dr_grpo", "norm_adv_by_std": True}}, {"algo.norm_adv_by_std", "algo.advantage"}),
         ({"algo": {"reducer_constant": 32}}, {"algo.reducer_constant", "algo.loss_reducer"}),
         ({"algo": {"name": "distill"}}, {"algo.teacher_path"}),
-        ({"train": {"lora": {"enabled": True}}, "weights": {"transport": "p2p"}},
-         {"train.lora.enabled", "weights.transport"}),
+        (
+            {"train": {"lora": {"enabled": True}}, "weights": {"transport": "p2p"}},
+            {"train.lora.enabled", "weights.transport"},
+        ),
         ({"rollout": {"n_samples_per_prompt": 1}}, {"rollout.n_samples_per_prompt", "algo.advantage"}),
-        ({"rollout": {"dynamic_filter": True, "n_samples_per_prompt": 1}},
-         {"rollout.n_samples_per_prompt", "rollout.dynamic_filter"}),
+        (
+            {"rollout": {"dynamic_filter": True, "n_samples_per_prompt": 1}},
+            {"rollout.n_samples_per_prompt", "rollout.dynamic_filter"},
+        ),
         ({"rollout": {"routing_replay": True}}, {"rollout.routing_replay", "model.arch"}),
         ({"rollout": {"max_turns": 3}}, {"rollout.max_turns"}),
         ({"observe": {"dashboard": True, "event_store": False}}, {"observe.dashboard", "observe.event_store"}),
@@ -111,8 +144,10 @@ def test_staleness_follows_mode_unless_set():
         ({"envs": {"name": "calculator", "environment": "pkg.mod:make"}}, {"envs.name", "envs.environment"}),
         ({"model": {"path": "/nonexistent/model"}}, {"model.path"}),
         ({"data": {"path": "/nonexistent/train.jsonl"}}, {"data.path"}),
-        ({"algo": {"correction": "tis", "correction_low": 3.0, "correction_high": 2.0}},
-         {"algo.correction_low", "algo.correction_high"}),
+        (
+            {"algo": {"correction": "tis", "correction_low": 3.0, "correction_high": 2.0}},
+            {"algo.correction_low", "algo.correction_high"},
+        ),
     ],
 )
 def test_incompatible_combinations_name_their_fields(data, fields):
@@ -133,9 +168,13 @@ def test_gpu_only_settings_need_cuda(monkeypatch):
 
 
 def test_all_problems_are_collected_into_one_error():
-    e = problems({"rollout": {"partial_rollout": True, "max_staleness": 1},
-                  "algo": {"name": "ppo", "advantage": "rloo"},
-                  "observe": {"dashboard": True, "event_store": False}})
+    e = problems(
+        {
+            "rollout": {"partial_rollout": True, "max_staleness": 1},
+            "algo": {"name": "ppo", "advantage": "rloo"},
+            "observe": {"dashboard": True, "event_store": False},
+        }
+    )
     assert len(e.problems) >= 4
     assert str(e).count("\n  - ") == len(e.problems)
 

@@ -21,8 +21,10 @@ def scripted(replies: dict[str, httpx.Response], seen: list[httpx.Request]) -> h
 
 def test_token_goes_only_to_control_paths_and_unset_fields_stay_unsent():
     seen: list[httpx.Request] = []
-    replies = {MODEL_INFO: httpx.Response(200, json={"model_path": "m"}),
-               UPDATE_FROM_TENSOR: httpx.Response(200, json={"success": True, "weight_version": 4})}
+    replies = {
+        MODEL_INFO: httpx.Response(200, json={"model_path": "m"}),
+        UPDATE_FROM_TENSOR: httpx.Response(200, json={"success": True, "weight_version": 4}),
+    }
     with EngineControl("http://e/", admin_token="T", transport=scripted(replies, seen)) as engine:
         assert engine.url == "http://e" and engine.model_info() == {"model_path": "m"}
         assert engine.update_weights_from_tensor({"shm_name": "x"}, weight_version=4)["weight_version"] == 4
@@ -34,8 +36,10 @@ def test_token_goes_only_to_control_paths_and_unset_fields_stay_unsent():
 
 def test_errors_name_method_url_path_status_and_the_engines_reason():
     seen: list[httpx.Request] = []
-    replies = {PAUSE: httpx.Response(401, json={"error": {"message": "missing or wrong admin token"}}),
-               UPDATE_FROM_TENSOR: httpx.Response(200, json={"success": False, "message": "tensor 'x': unknown"})}
+    replies = {
+        PAUSE: httpx.Response(401, json={"error": {"message": "missing or wrong admin token"}}),
+        UPDATE_FROM_TENSOR: httpx.Response(200, json={"success": False, "message": "tensor 'x': unknown"}),
+    }
     engine = EngineControl("http://e", transport=scripted(replies, seen))
     with pytest.raises(EngineError, match=r"^POST http://e/pause_generation: HTTP 401: missing or wrong admin token$"):
         engine.pause("retract")

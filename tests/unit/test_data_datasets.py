@@ -172,13 +172,17 @@ def test_skip_counts_every_bad_line_and_keeps_first_reasons(tmp_path):
     lines = [ROWS[0]] + ["{bad"] * 25 + [ROWS[1]]
     ds = load_dataset(write_jsonl(tmp_path / "d.jsonl", lines), on_error="skip", **MAPPING)
     assert len(ds) == 2 and ds.skipped == 25
-    assert len(ds.skip_reasons) == 10 and ds.skip_reasons[0].endswith("line 2: invalid JSON: Expecting property name enclosed in double quotes at column 2")
+    assert len(ds.skip_reasons) == 10 and ds.skip_reasons[0].endswith(
+        "line 2: invalid JSON: Expecting property name enclosed in double quotes at column 2"
+    )
     assert "line 11:" in ds.skip_reasons[-1]
 
 
 def test_nothing_usable_is_an_error_even_when_skipping(tmp_path):
     path = write_jsonl(tmp_path / "d.jsonl", [{"q": "a"}, {"q": "b"}])
-    with pytest.raises(DataError, match=r"no usable records \(2 skipped\); first problem: .*line 1: field 'prompt': missing"):
+    with pytest.raises(
+        DataError, match=r"no usable records \(2 skipped\); first problem: .*line 1: field 'prompt': missing"
+    ):
         load_dataset(path, on_error="skip")
 
 

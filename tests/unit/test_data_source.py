@@ -7,7 +7,7 @@ from collections import Counter
 
 import pytest
 
-from furlong.data import DataSource, Prompt, PromptSource, TASKS
+from furlong.data import TASKS, DataSource, Prompt, PromptSource
 
 
 def prompts(n: int) -> list[Prompt]:

@@ -164,7 +164,9 @@ def test_chat_prompts_render_with_the_tiny_models_template():
     tok = load_tokenizer(create_model("qwen3", "tiny"))
     for name, task in TASKS.items():
         p = task.make("train", 1, seed=0, chat=True)[0]
-        text = tok.apply_chat_template(p.prompt, tools=p.metadata.get("tools"), add_generation_prompt=True, tokenize=False)
+        text = tok.apply_chat_template(
+            p.prompt, tools=p.metadata.get("tools"), add_generation_prompt=True, tokenize=False
+        )
         assert text.endswith(f"<|im_start|>user\n{p.metadata['question']}<|im_end|>\n<|im_start|>assistant\n")
         assert ("- calculator(expression): " in text) == (name == "calculator")  # the tool's compact signature
         # Short text prompts: a handful of tokens, so a tiny model learns them on a CPU.

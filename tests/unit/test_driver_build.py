@@ -28,8 +28,13 @@ def test_plugins_checks_every_path_at_start_and_passes_only_those_set():
 
 
 def test_trainer_hooks_carry_the_resolved_loss_hub_functions():
-    cfg = load_config(None, ["train.loss_fn=furlong.train.losses.policy:ppo_clip_loss",
-                             "train.before_train_step=tests.chaos.chaos_plugins:nan_at_1_and_from_3"])
+    cfg = load_config(
+        None,
+        [
+            "train.loss_fn=furlong.train.losses.policy:ppo_clip_loss",
+            "train.before_train_step=tests.chaos.chaos_plugins:nan_at_1_and_from_3",
+        ],
+    )
     from furlong.train.losses.policy import ppo_clip_loss
 
     hooks = build.trainer_hooks(build.plugins(cfg))
@@ -43,8 +48,9 @@ def test_engine_settings_reach_the_engine_command_and_the_colocated_engine():
     assert argv[argv.index("--kv-cache-mb") + 1] == "32" and argv[argv.index("--dtype") + 1] == "bfloat16"
     default = engine_command(EngineConfig(), model_dir="/m", port=1, admin_token="t", threads=1)
     assert "--max-context" not in default and "--no-prefix-cache" not in default
-    assert colocated_engine_kwargs(e) == dict(dtype="bfloat16", kv_cache_mb=32, max_running=8, max_context=256,
-                                              prefix_cache=False)
+    assert colocated_engine_kwargs(e) == dict(
+        dtype="bfloat16", kv_cache_mb=32, max_running=8, max_context=256, prefix_cache=False
+    )
     with pytest.raises(ValueError, match="engine.backend=sglang cannot be colocated"):
         colocated_engine_kwargs(EngineConfig(backend="sglang"))
 
@@ -52,14 +58,16 @@ def test_engine_settings_reach_the_engine_command_and_the_colocated_engine():
 def test_engine_backend_picks_the_launcher(tiny_model_dir):
     builtin = engine_command(EngineConfig(), model_dir=str(tiny_model_dir), port=1, admin_token="t", threads=1)
     assert builtin[1:4] == ["-m", "furlong.cli", "serve"]
-    sglang = engine_command(EngineConfig(backend="sglang"), model_dir=str(tiny_model_dir), port=1, admin_token="t",
-                            threads=1)
+    sglang = engine_command(
+        EngineConfig(backend="sglang"), model_dir=str(tiny_model_dir), port=1, admin_token="t", threads=1
+    )
     assert "sglang.launch_server" in sglang and "furlong.cli" not in sglang
 
 
 def test_router_command_names_every_engine_and_setting():
-    argv = router_command(RouterConfig(policy="round_robin", max_retries=5), engine_urls=["http://a", "http://b"],
-                          port=9, admin_token="t")
+    argv = router_command(
+        RouterConfig(policy="round_robin", max_retries=5), engine_urls=["http://a", "http://b"], port=9, admin_token="t"
+    )
     assert [argv[i + 1] for i, a in enumerate(argv) if a == "--engine"] == ["http://a", "http://b"]
     assert argv[argv.index("--policy") + 1] == "round_robin" and argv[argv.index("--max-retries") + 1] == "5"
 

@@ -8,9 +8,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from furlong.engine.engine import Engine
 from furlong.engine.request import Request
 from furlong.engine.sampler import SamplingParams
-from furlong.engine.engine import Engine
 from furlong.models import create_model
 
 PROMPTS = [[5, 6, 7], [9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21], [300, 2, 40, 41, 42, 43], [77] * 19]
@@ -153,7 +153,9 @@ def engine():
 
 
 def test_seeded_sampling_is_reproducible_whatever_the_batch(engine):
-    sp = lambda seed: SamplingParams(max_new_tokens=16, temperature=1.3, top_p=0.9, top_k=50, seed=seed, ignore_eos=True)  # noqa: E731
+    sp = lambda seed: SamplingParams(
+        max_new_tokens=16, temperature=1.3, top_p=0.9, top_k=50, seed=seed, ignore_eos=True
+    )
     alone = engine.generate([Request(PROMPTS[0], sp(7))], timeout=60)[0].output_ids
     crowd = engine.generate([Request(PROMPTS[i % 4], sp(7 if i == 4 else i + 100)) for i in range(6)], timeout=60)
     assert crowd[4].output_ids == alone
@@ -164,9 +166,20 @@ def test_seeded_sampling_is_reproducible_whatever_the_batch(engine):
 
 def test_top_k_one_is_greedy_and_top_k_limits_choices(engine):
     g = engine.generate([Request(PROMPTS[1], greedy(12))], timeout=60)[0].output_ids
-    k1 = engine.generate([Request(PROMPTS[1], SamplingParams(max_new_tokens=12, top_k=1, ignore_eos=True, seed=3))], timeout=60)[0]
+    k1 = engine.generate(
+        [Request(PROMPTS[1], SamplingParams(max_new_tokens=12, top_k=1, ignore_eos=True, seed=3))], timeout=60
+    )[0]
     assert k1.output_ids == g
-    r = engine.generate([Request(PROMPTS[1], SamplingParams(max_new_tokens=12, top_k=2, temperature=5, seed=1, ignore_eos=True), top_logprobs_num=2)], timeout=60)[0]
+    r = engine.generate(
+        [
+            Request(
+                PROMPTS[1],
+                SamplingParams(max_new_tokens=12, top_k=2, temperature=5, seed=1, ignore_eos=True),
+                top_logprobs_num=2,
+            )
+        ],
+        timeout=60,
+    )[0]
     for tok, top in zip(r.output_ids, r.output_top_logprobs):
         assert tok in [t for _, t in top]  # always one of the two most likely
 
@@ -188,7 +201,7 @@ def test_stop_token_ids_stop_strings_and_max_new_tokens(engine):
 
 
 def test_abort_and_pause_modes(engine):
-    long = lambda: Request(PROMPTS[0], greedy(1500))  # noqa: E731
+    long = lambda: Request(PROMPTS[0], greedy(1500))
     a, b = engine.submit(long()), engine.submit(long())
     time.sleep(0.2)
     assert engine.abort(a.rid).result(10) == 1
@@ -230,6 +243,6 @@ def test_bad_weight_update_is_atomic(engine):
     good = {"model.norm.weight": torch.zeros_like(before["model.norm.weight"])}
     for bad in ({**good, "model.nope.weight": torch.zeros(3)}, {**good, "lm_head.weight": torch.zeros(3, 3)}):
         with pytest.raises(WeightUpdateError, match="model.nope.weight|lm_head.weight"):
-            engine.call(lambda: engine.apply_weights(bad)).result(10)
+            engine.call(lambda bad=bad: engine.apply_weights(bad)).result(10)
     assert all(torch.equal(v, engine.hf.state_dict()[k]) for k, v in before.items())
     assert engine.weight_version == 0

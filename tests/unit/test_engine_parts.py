@@ -45,7 +45,11 @@ def test_sampler_top_p_keeps_the_smallest_nucleus():
 
 
 def test_shared_memory_views_round_trip_and_checks():
-    named = {"a": torch.arange(6.0).view(2, 3), "b": torch.tensor([1, 2], dtype=torch.int64), "c": torch.ones(3, dtype=torch.bfloat16)}
+    named = {
+        "a": torch.arange(6.0).view(2, 3),
+        "b": torch.tensor([1, 2], dtype=torch.int64),
+        "c": torch.ones(3, dtype=torch.bfloat16),
+    }
     shm, handle = write_shm(named)
     try:
         with shm_views(handle) as views:
@@ -57,10 +61,12 @@ def test_shared_memory_views_round_trip_and_checks():
             with shm_views(handle):
                 pass
         specs = handle["tensors"]
-        for bad, why in [({**specs[1], "shape": [100]}, r"tensors\[b\]: offset/nbytes"),
-                         ({**specs[1], "dtype": "float99"}, r"tensors\[b\]\.dtype"),
-                         ({**specs[1], "offset": 1, "nbytes": 8, "shape": [1]}, r"tensors\[b\]: offset 1 is not aligned"),
-                         ({**specs[1], "offset": shm.size}, r"tensors\[b\]: offset/nbytes")]:
+        for bad, why in [
+            ({**specs[1], "shape": [100]}, r"tensors\[b\]: offset/nbytes"),
+            ({**specs[1], "dtype": "float99"}, r"tensors\[b\]\.dtype"),
+            ({**specs[1], "offset": 1, "nbytes": 8, "shape": [1]}, r"tensors\[b\]: offset 1 is not aligned"),
+            ({**specs[1], "offset": shm.size}, r"tensors\[b\]: offset/nbytes"),
+        ]:
             with pytest.raises(ValueError, match=why):
                 with shm_views({**handle, "tensors": [bad]}):
                     pass

@@ -13,11 +13,26 @@ from furlong.engine.kv_cache import BlockPool
 from furlong.engine.launch import engine_argv, require_backend
 from furlong.engine.sglang import SGLangConfig, build_command, launch
 
-SETTINGS = {"host": "127.0.0.1", "port": 31000, "dtype": "bfloat16", "kv_cache_mb": 64, "max_running": 32,
-            "max_context": None, "prefix_cache": True, "threads": 2, "admin_token": "tok"}
+SETTINGS = {
+    "host": "127.0.0.1",
+    "port": 31000,
+    "dtype": "bfloat16",
+    "kv_cache_mb": 64,
+    "max_running": 32,
+    "max_context": None,
+    "prefix_cache": True,
+    "threads": 2,
+    "admin_token": "tok",
+}
 # 2 layers x 1 KV head x 32 dims x (K and V) x 2 bytes (bfloat16) = 256 bytes a token
-TINY = {"num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 32,
-        "hidden_size": 64, "max_position_embeddings": 2048}
+TINY = {
+    "num_hidden_layers": 2,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "head_dim": 32,
+    "hidden_size": 64,
+    "max_position_embeddings": 2048,
+}
 
 
 @pytest.fixture
@@ -28,9 +43,27 @@ def model_dir(tmp_path):
 
 def test_builtin_argv_is_furlong_serve_with_every_setting(model_dir):
     argv = engine_argv("builtin", model_dir=model_dir, **SETTINGS)
-    assert argv == [sys.executable, "-m", "furlong.cli", "serve", "--model", model_dir, "--host", "127.0.0.1",
-                    "--port", "31000", "--dtype", "bfloat16", "--kv-cache-mb", "64", "--max-running", "32",
-                    "--admin-token=tok", "--threads", "2"]
+    assert argv == [
+        sys.executable,
+        "-m",
+        "furlong.cli",
+        "serve",
+        "--model",
+        model_dir,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "31000",
+        "--dtype",
+        "bfloat16",
+        "--kv-cache-mb",
+        "64",
+        "--max-running",
+        "32",
+        "--admin-token=tok",
+        "--threads",
+        "2",
+    ]
     argv = engine_argv("builtin", model_dir=model_dir, **{**SETTINGS, "max_context": 512, "prefix_cache": False})
     assert argv[-3:] == ["--max-context", "512", "--no-prefix-cache"]
 
@@ -38,8 +71,11 @@ def test_builtin_argv_is_furlong_serve_with_every_setting(model_dir):
 def test_builtin_argv_parses_back_into_the_serve_settings(model_dir):
     from furlong.engine.cli import parser
 
-    argv = engine_argv("builtin", model_dir=model_dir, **{**SETTINGS, "max_context": 512, "prefix_cache": False,
-                                                          "admin_token": "-starts-with-a-dash"})
+    argv = engine_argv(
+        "builtin",
+        model_dir=model_dir,
+        **{**SETTINGS, "max_context": 512, "prefix_cache": False, "admin_token": "-starts-with-a-dash"},
+    )
     args = parser().parse_args(argv[4:])
     assert (args.max_context, args.prefix_cache, args.admin_token) == (512, False, "-starts-with-a-dash")
     assert parser().parse_args(["--model", model_dir]).prefix_cache is True
@@ -53,7 +89,11 @@ def test_sglang_argv_maps_every_setting_to_its_flag(model_dir):
         return argv[argv.index(name) + 1]
 
     assert (flag("--model-path"), flag("--host"), flag("--port"), flag("--dtype")) == (
-        model_dir, "127.0.0.1", "31000", "bfloat16")
+        model_dir,
+        "127.0.0.1",
+        "31000",
+        "bfloat16",
+    )
     assert flag("--context-length") == "1024" and "--disable-radix-cache" in argv
     assert flag("--max-running-requests") == "32"
     assert flag("--max-total-tokens") == str(64 * 2**20 // 256)  # the KV budget in the model's tokens
@@ -83,8 +123,9 @@ def test_sglang_without_the_package_is_a_clear_error(tmp_path, model_dir):
     with pytest.raises(ValueError, match="^engine.backend=sglang: the sglang package is not installed"):
         require_backend("sglang")
     # launched anyway (e.g. from another interpreter's argv): the process manager's error says the same
-    with pytest.raises(RuntimeError, match="(?s)^engine.backend=sglang: the sglang package is not installed.*"
-                                           "No module named 'sglang'"):
+    with pytest.raises(
+        RuntimeError, match="(?s)^engine.backend=sglang: the sglang package is not installed.*No module named 'sglang'"
+    ):
         launch(SGLangConfig(model_path=model_dir, port=1), timeout=60, log_path=tmp_path / "sglang.log")
 
 

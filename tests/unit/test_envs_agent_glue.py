@@ -13,20 +13,18 @@ from types import SimpleNamespace
 
 import httpx
 import pytest
+from envs_scripted_engine import Script, Turn
 
+from furlong.core.sample import Sample, Status
 from furlong.data import CALCULATOR_TOOL, TASKS
+from furlong.data.chat import conversation_sample, encode_prompt
 from furlong.data.tasks import score_integer
 from furlong.envs import agent as glue
 from furlong.envs.calculator import write_demonstrations
-from furlong.data.chat import conversation_sample
 from furlong.envs.multiturn import generate as multiturn_generate
 from furlong.envs.session_server import ServerThread, SessionServer
 from furlong.envs.session_store import template_tools
 from furlong.models import load_tokenizer
-from furlong.data.chat import encode_prompt
-from furlong.core.sample import Sample, Status
-
-from envs_scripted_engine import Script, Turn
 
 EXPR = "12 * 34 + 56"
 CALL = '<tool_call>{"name": "calculator", "arguments": {"expression": "12 * 34 + 56"}}</tool_call>'
@@ -40,8 +38,12 @@ def tok(tiny_model_dir):
 
 def demo(tools):
     call = {"id": "c", "type": "function", "function": {"name": "calculator", "arguments": {"expression": EXPR}}}
-    return [USER, {"role": "assistant", "content": "", "tool_calls": [call]},
-            {"role": "tool", "tool_call_id": "c", "content": "464"}, {"role": "assistant", "content": "Answer: 464"}]
+    return [
+        USER,
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "c", "content": "464"},
+        {"role": "assistant", "content": "Answer: 464"},
+    ]
 
 
 def test_demonstration_matches_a_multiturn_rollout(tok):
@@ -53,7 +55,14 @@ def test_demonstration_matches_a_multiturn_rollout(tok):
     s = Sample(prompt=[USER], tokens=encode_prompt(tok, [USER], tools), label=464, metadata={"tools": tools})
     s = asyncio.run(multiturn_generate(ctx, s, {"max_new_tokens": 96}))
     assert s.tokens == want.tokens and s.loss_mask == want.loss_mask and s.token_sources == want.token_sources
-    assert s.reward == {"score": 1.0, "correct": 1.0, "used_tool": 1.0, "right_expression": 0.0, "copied_result": 1.0, "tool_calls": 1.0}
+    assert s.reward == {
+        "score": 1.0,
+        "correct": 1.0,
+        "used_tool": 1.0,
+        "right_expression": 0.0,
+        "copied_result": 1.0,
+        "tool_calls": 1.0,
+    }
     # Only the two assistant turns (and their end-of-turn tokens) are trained.
     trained = [t for t, m in zip(want.response_tokens, want.loss_mask) if m]
     assert tok.decode(trained) == CALL + "<|im_end|>" + "Answer: 464<|im_end|>"
@@ -87,21 +96,35 @@ def test_tool_agent_episode_through_the_glue(tok, scripted_sessions):
     ctx = script.ctx(max_turns=2, agent_fn="furlong.envs.agent:tool_agent")
     ctx.envs = SimpleNamespace(name="calculator")
     tools = [CALCULATOR_TOOL]
-    s = Sample(index=5, group_index=2, prompt=[USER], tokens=encode_prompt(tok, [USER], tools), label=464,
-               metadata={"tools": tools, "prompt_index": 7})
+    s = Sample(
+        index=5,
+        group_index=2,
+        prompt=[USER],
+        tokens=encode_prompt(tok, [USER], tools),
+        label=464,
+        metadata={"tools": tools, "prompt_index": 7},
+    )
     out = asyncio.run(glue.generate(ctx, s, {"max_new_tokens": 96, "temperature": 0.5, "seed": 11}))
     out.validate()
     # The session's tokens are the demonstration's (tools rendered as a session renders them).
     want = conversation_sample(tok, demo(None), template_tools(tools))
     assert out.tokens == want.tokens and out.loss_mask == want.loss_mask
     assert (out.index, out.group_index, out.label, out.metadata["prompt_index"]) == (5, 2, 464, 7)
-    assert out.reward == {"score": 1.0, "correct": 1.0, "used_tool": 1.0, "right_expression": 0.0, "copied_result": 1.0, "tool_calls": 1.0}
+    assert out.reward == {
+        "score": 1.0,
+        "correct": 1.0,
+        "used_tool": 1.0,
+        "right_expression": 0.0,
+        "copied_result": 1.0,
+        "tool_calls": 1.0,
+    }
     assert Status(out.status) == Status.COMPLETED and out.metadata["response_text"] == "Answer: 464"
     # The rollout's sampling settings reach the engine; each turn has its own seed; the budget caps each turn.
     params = [r["sampling_params"] for r in script.requests]
     assert [p["temperature"] for p in params] == [0.5, 0.5] and params[0]["seed"] != params[1]["seed"]
-    assert params[0]["max_new_tokens"] == 96 and params[1]["max_new_tokens"] == 96 - (len(want.response_tokens)
-                                                                                     - len(tok.encode("Answer: 464")) - 1)
+    assert params[0]["max_new_tokens"] == 96 and params[1]["max_new_tokens"] == 96 - (
+        len(want.response_tokens) - len(tok.encode("Answer: 464")) - 1
+    )
     assert server.server.stats()["sessions_open"] == 0
 
 
@@ -109,8 +132,12 @@ def test_budget_refusal_ends_the_episode_truncated(tok, scripted_sessions):
     script, server = scripted_sessions([Turn(CALL)])
     ctx = script.ctx(max_turns=3, agent_fn="furlong.envs.agent:tool_agent")
     tools = [CALCULATOR_TOOL]
-    s = Sample(prompt=[USER], tokens=encode_prompt(tok, [USER], tools), label=464,
-               metadata={"tools": tools, "task": "calculator"})
+    s = Sample(
+        prompt=[USER],
+        tokens=encode_prompt(tok, [USER], tools),
+        label=464,
+        metadata={"tools": tools, "task": "calculator"},
+    )
     n_call = len(tok.encode(CALL)) + 1
     out = asyncio.run(glue.generate(ctx, s, {"max_new_tokens": n_call + 3}))  # no room for the tool result
     assert Status(out.status) == Status.TRUNCATED and out.status_reason == "token budget used up"

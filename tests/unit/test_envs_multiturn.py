@@ -11,14 +11,13 @@ import asyncio
 from types import SimpleNamespace
 
 import pytest
+from envs_scripted_engine import Script, Turn
 
+from furlong.core.sample import Sample, Source, Status
 from furlong.data import TASKS
+from furlong.data.chat import encode_prompt
 from furlong.envs.multiturn import generate
 from furlong.models import load_tokenizer
-from furlong.data.chat import encode_prompt
-from furlong.core.sample import Sample, Source, Status
-
-from envs_scripted_engine import Script, Turn
 
 CALL = '<tool_call>{"name": "calculator", "arguments": {"expression": "%s"}}</tool_call>'
 
@@ -30,8 +29,12 @@ def tok(tiny_model_dir):
 
 def calculator_sample(tok) -> Sample:
     p = TASKS["calculator"].make("train", 1, chat=True)[0]
-    return Sample(prompt=p.prompt, tokens=encode_prompt(tok, p.prompt, p.metadata["tools"]), label=p.label,
-                  metadata=dict(p.metadata))
+    return Sample(
+        prompt=p.prompt,
+        tokens=encode_prompt(tok, p.prompt, p.metadata["tools"]),
+        label=p.label,
+        metadata=dict(p.metadata),
+    )
 
 
 def run(script: Script, sample: Sample, max_new_tokens: int = 200, **rollout) -> Sample:
@@ -61,7 +64,14 @@ def test_calculator_episode_keeps_engine_ids_and_appends_tool_suffix(tok):
     glue_ids = tok.encode(glue, add_special_tokens=False)
     assert s.tokens == prompt + first + glue_ids + second
     assert script.requests[1]["input_ids"] == prompt + first + glue_ids  # the engine saw exactly this
-    assert s.status == Status.COMPLETED and s.reward == {"score": 1.0, "correct": 1.0, "used_tool": 1.0, "right_expression": 1.0, "copied_result": 1.0, "tool_calls": 1.0}
+    assert s.status == Status.COMPLETED and s.reward == {
+        "score": 1.0,
+        "correct": 1.0,
+        "used_tool": 1.0,
+        "right_expression": 1.0,
+        "copied_result": 1.0,
+        "tool_calls": 1.0,
+    }
     assert s.metadata["response_text"] == f"Answer: {label}"
     n1, ng = len(first), len(glue_ids)
     assert s.loss_mask == [1] * n1 + [0] * ng + [1] * len(second)
@@ -115,7 +125,7 @@ def test_abort_mid_turn_resumes_from_the_tokens_so_far(tok):
     script.turns = [Turn("", version=1, finish="abort"), Turn("", version=2), Turn(f"Answer: {label}", version=2)]
     # The aborted request returns the first half of the call; the resumed one the rest.
     half1, half2 = call_ids[:cut], call_ids[cut:]
-    script.outputs = lambda turn, it=iter([half1, half2, script.outputs(Turn(f"Answer: {label}"))]): next(it)
+    script.outputs = lambda turn, it=iter([half1, half2, script.outputs(Turn(f"Answer: {label}"))]): next(it)  # noqa: B008
     s = run(script, sample)
     assert s.status == Status.ABORTED and s.response_tokens == half1
     s = run(script, s).validate()

@@ -13,14 +13,13 @@ import json
 
 import httpx
 import pytest
+from envs_scripted_engine import Script, Turn
 
+from furlong.core.sample import Sample
 from furlong.data import CALCULATOR_TOOL
+from furlong.data.chat import encode_prompt
 from furlong.envs.session_server import SessionServer
 from furlong.models import load_tokenizer
-from furlong.data.chat import encode_prompt
-from furlong.core.sample import Sample
-
-from envs_scripted_engine import Script, Turn
 
 CALL = '<tool_call>{"name": "calculator", "arguments": {"expression": "2 * 3"}}</tool_call>'
 USER = {"role": "user", "content": "Use the calculator to compute 2 * 3."}
@@ -44,8 +43,9 @@ class Harness:
         return r.json()["id"]
 
     async def chat(self, sid: str, messages: list[dict], **body) -> httpx.Response:
-        return await self.http.post(f"/sessions/{sid}/v1/chat/completions",
-                                    json={"messages": messages, "tools": [CALCULATOR_TOOL], **body})
+        return await self.http.post(
+            f"/sessions/{sid}/v1/chat/completions", json={"messages": messages, "tools": [CALCULATOR_TOOL], **body}
+        )
 
     async def samples(self, sid: str) -> list[Sample]:
         r = await self.http.get(f"/sessions/{sid}/samples")
@@ -67,15 +67,28 @@ def test_turns_extend_one_sample_with_exact_ids(tok):
         assert r1["choices"][0]["finish_reason"] == "tool_calls"
         assert msg["tool_calls"][0]["function"] == {"name": "calculator", "arguments": '{"expression": "2 * 3"}'}
         # The agent echoes the reply with re-serialised arguments and content "" instead of None.
-        echo = {"role": "assistant", "content": "", "tool_calls": [{"id": "other", "type": "function",
-                "function": {"name": "calculator", "arguments": '{ "expression" : "2 * 3" }'}}]}
+        echo = {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [
+                {
+                    "id": "other",
+                    "type": "function",
+                    "function": {"name": "calculator", "arguments": '{ "expression" : "2 * 3" }'},
+                }
+            ],
+        }
         r2 = (await h.chat(sid, [USER, echo, tool_msg()], logprobs=True, return_token_ids=True)).json()
         assert r2["choices"][0]["message"]["content"] == "Answer: 6"
-        assert [e["logprob"] for e in r2["choices"][0]["logprobs"]["content"]] == [-0.5] * len(r2["choices"][0]["token_ids"])
+        assert [e["logprob"] for e in r2["choices"][0]["logprobs"]["content"]] == [-0.5] * len(
+            r2["choices"][0]["token_ids"]
+        )
         [s] = await h.samples(sid)
         prompt = encode_prompt(tok, [USER], [CALCULATOR_TOOL["function"]])
-        glue = tok.encode("\n<|im_start|>tool\n<tool_response>6</tool_response><|im_end|>\n<|im_start|>assistant\n",
-                          add_special_tokens=False)
+        glue = tok.encode(
+            "\n<|im_start|>tool\n<tool_response>6</tool_response><|im_end|>\n<|im_start|>assistant\n",
+            add_special_tokens=False,
+        )
         assert s.tokens == prompt + out1 + glue + r2["choices"][0]["token_ids"]
         assert h.script.requests[1]["input_ids"] == prompt + out1 + glue
         assert all(req["headers"]["x-routing-key"] == sid for req in h.script.requests)
@@ -96,6 +109,7 @@ def test_rewind_branches_and_reuses_the_shared_tokens(tok):
         await h.chat(sid, [USER, msg, tool_msg("7")])  # the agent rewinds: a different tool result
         first, branch = await h.samples(sid)
         assert branch.metadata["branch_of"] == 0 and branch.metadata["template_mismatch"] is False
+
         def glue(result: str) -> list[int]:
             text = f"\n<|im_start|>tool\n<tool_response>{result}</tool_response><|im_end|>\n<|im_start|>assistant\n"
             return tok.encode(text, add_special_tokens=False)
@@ -105,7 +119,10 @@ def test_rewind_branches_and_reuses_the_shared_tokens(tok):
         assert branch.tokens[t : t + len(glue("7"))] == glue("7")
         assert h.script.requests[2]["input_ids"] == branch.tokens[: t + len(glue("7"))]
         r = t - branch.prompt_length
-        assert branch.rollout_logprobs[:r] == first.rollout_logprobs[:r] and branch.token_versions[:r] == first.token_versions[:r]
+        assert (
+            branch.rollout_logprobs[:r] == first.rollout_logprobs[:r]
+            and branch.token_versions[:r] == first.token_versions[:r]
+        )
         assert branch.prompt_length == first.prompt_length
         assert h.server.stats()["branches"] == 1 and h.server.stats().get("template_mismatches", 0) == 0
 
@@ -137,7 +154,8 @@ def test_failed_turn_leaves_no_trace_and_errors_name_the_field(tok):
         before = [s.to_dict() for s in await h.samples(sid)]
         h.server._http = None  # the engine now refuses: its error is passed through, naming the field
         h.server.transport = httpx.MockTransport(
-            lambda request: httpx.Response(400, json={"error": {"message": "too long", "param": "input_ids"}}))
+            lambda request: httpx.Response(400, json={"error": {"message": "too long", "param": "input_ids"}})
+        )
         r = await h.chat(sid, [USER, msg, tool_msg()])
         assert r.status_code == 400 and r.json()["error"]["param"] == "input_ids"
         assert [s.to_dict() for s in await h.samples(sid)] == before
@@ -162,6 +180,8 @@ def test_stream_sends_the_turn_as_chunks(tok):
         assert r.text.rstrip().endswith("data: [DONE]")
         calls = [c for e in events for ch in e["choices"] for c in ch["delta"].get("tool_calls", [])]
         assert calls[0]["function"]["name"] == "calculator"
-        assert events[-2]["choices"][0]["finish_reason"] == "tool_calls" and events[-1]["usage"]["completion_tokens"] > 0
+        assert (
+            events[-2]["choices"][0]["finish_reason"] == "tool_calls" and events[-1]["usage"]["completion_tokens"] > 0
+        )
 
     asyncio.run(go())

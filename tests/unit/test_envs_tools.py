@@ -8,13 +8,13 @@ from types import SimpleNamespace
 
 import pytest
 
-from furlong.envs.calculator import CalculatorEnvironment, calculator
-from furlong.data.chat import closing, missing_closing, suffix_ids
-from furlong.envs.protocol import ToolEnvironment, build_environment
+from furlong.core.sample import Sample
 from furlong.core.tool_calls import ToolCall, parse_tool_calls
+from furlong.data.chat import closing, missing_closing, suffix_ids
+from furlong.envs.calculator import CalculatorEnvironment, calculator
+from furlong.envs.protocol import ToolEnvironment, build_environment
 from furlong.envs.tools import MAX_RESULT_CHARS, execute, execute_all
 from furlong.models import load_tokenizer
-from furlong.core.sample import Sample
 
 
 @pytest.fixture(scope="module")
@@ -28,8 +28,10 @@ def test_parse_tool_calls():
     assert content == "Let me compute." and errors == []
     assert [(c.name, c.arguments) for c in calls] == [("calculator", {"expression": "2*3"})]
     # arguments as a JSON string (the OpenAI wire form), two calls, and one broken block kept in the content
-    text = ('<tool_call>{"name": "a", "arguments": "{\\"x\\": 1}"}</tool_call>'
-            '<tool_call>{"name": "b"}</tool_call><tool_call>{oops}</tool_call>')
+    text = (
+        '<tool_call>{"name": "a", "arguments": "{\\"x\\": 1}"}</tool_call>'
+        '<tool_call>{"name": "b"}</tool_call><tool_call>{oops}</tool_call>'
+    )
     content, calls, errors = parse_tool_calls(text)
     assert [(c.name, c.arguments) for c in calls] == [("a", {"x": 1}), ("b", {})]
     assert content == "<tool_call>{oops}</tool_call>" and len(errors) == 1 and "oops" in errors[0]
@@ -52,9 +54,14 @@ def test_execute_turns_failures_into_text():
 
     async def go():
         assert await execute(ToolCall("calculator", {"expression": "12 * 34"}), tools, timeout_s=1) == "408"
-        assert "unsupported expression" in await execute(ToolCall("calculator", {"expression": "__import__('os')"}), tools, timeout_s=1)
+        assert "unsupported expression" in await execute(
+            ToolCall("calculator", {"expression": "__import__('os')"}), tools, timeout_s=1
+        )
         assert await execute(ToolCall("slow", {}), tools, timeout_s=0.05) == "error: tool 'slow' timed out after 0.05 s"
-        assert await execute(ToolCall("nope", {}), tools, timeout_s=1) == "error: unknown tool 'nope'; available: ['big', 'blocking', 'calculator', 'slow']"
+        assert (
+            await execute(ToolCall("nope", {}), tools, timeout_s=1)
+            == "error: unknown tool 'nope'; available: ['big', 'blocking', 'calculator', 'slow']"
+        )
         assert "TypeError" in await execute(ToolCall("calculator", {"wrong": 1}), tools, timeout_s=1)
         assert (await execute(ToolCall("big", {}), tools, timeout_s=1)).endswith("...[truncated]")
         # plain tools run in threads, concurrently: two 50 ms calls finish together, in call order
@@ -92,7 +99,7 @@ def test_build_environment_picks_by_config_then_sample():
     with pytest.raises(ValueError, match="envs.name='chess'"):
         build_environment(SimpleNamespace(**{**envs.__dict__, "name": "chess"}), Sample())
     made = []
-    factory = lambda config=None, seed=0: made.append(seed) or ToolEnvironment()  # noqa: E731
+    factory = lambda config=None, seed=0: made.append(seed) or ToolEnvironment()
     build_environment(SimpleNamespace(**{**envs.__dict__, "environment": factory}), Sample(metadata={"seed": 5}))
     assert made == [5]
 
@@ -102,10 +109,18 @@ def test_calculator_reward_reads_only_the_final_turn():
 
     async def go():
         s = Sample(label=408, metadata={"task": "calculator", "response_text": "Answer: 408"})
-        _, done = await env.step(s, '<tool_call>{"name": "calculator", "arguments": {"expression": "12*34"}}</tool_call>')
+        _, done = await env.step(
+            s, '<tool_call>{"name": "calculator", "arguments": {"expression": "12*34"}}</tool_call>'
+        )
         assert not done
-        assert await env.reward(s) == {"score": 1.0, "correct": 1.0, "used_tool": 1.0, "right_expression": 0.0,
-                                       "copied_result": 1.0, "tool_calls": 1.0}
+        assert await env.reward(s) == {
+            "score": 1.0,
+            "correct": 1.0,
+            "used_tool": 1.0,
+            "right_expression": 0.0,
+            "copied_result": 1.0,
+            "tool_calls": 1.0,
+        }
         s.metadata["response_text"] = "I do not know"
         assert (await env.reward(s))["score"] == 0.2  # a well-formed call earns the lowest tier
 
@@ -115,16 +130,19 @@ def test_calculator_reward_reads_only_the_final_turn():
 CALL = '<tool_call>{"name": "calculator", "arguments": {"expression": "%s"}}</tool_call>'
 
 
-@pytest.mark.parametrize("turns,answer,tiers,score", [
-    ([CALL % "12  *  34"], "408", True, 1.0),            # correct
-    ([CALL % "12 * 34"], "7", True, 0.5),                # called right, answered carelessly
-    ([CALL % "12 * 35"], "420", True, 0.5),              # called wrong, copied the result
-    ([CALL % "12 * 35"], "7", True, 0.2),                # called wrong, answered carelessly
-    (['<tool_call>{"name": "calculator", "arguments": {"x": 1}}</tool_call>'], "7", True, 0.2),  # error result
-    ([], "407", True, 0.0),
-    ([], "408", True, 1.0),
-    ([CALL % "12 * 34"], "7", False, 0.0),
-])
+@pytest.mark.parametrize(
+    "turns,answer,tiers,score",
+    [
+        ([CALL % "12  *  34"], "408", True, 1.0),  # correct
+        ([CALL % "12 * 34"], "7", True, 0.5),  # called right, answered carelessly
+        ([CALL % "12 * 35"], "420", True, 0.5),  # called wrong, copied the result
+        ([CALL % "12 * 35"], "7", True, 0.2),  # called wrong, answered carelessly
+        (['<tool_call>{"name": "calculator", "arguments": {"x": 1}}</tool_call>'], "7", True, 0.2),  # error result
+        ([], "407", True, 0.0),
+        ([], "408", True, 1.0),
+        ([CALL % "12 * 34"], "7", False, 0.0),
+    ],
+)
 def test_calculator_reward_tiers(turns, answer, tiers, score):
     """Correct 1.0; else 0.2 for a call, +0.3 for the question's expression, +0.3 for copying the result; `tiers: false`: 1 / 0."""
     env = CalculatorEnvironment(SimpleNamespace(timeout_s=5.0, connector={"tiers": tiers}))
@@ -143,9 +161,18 @@ def test_calculator_reward_tiers(turns, answer, tiers, score):
 def test_calculator_reward_reads_an_agents_calls_from_the_session_messages():
     """On a TITO session the agent runs the tools itself: the calls come from the recorded messages."""
     call = {"id": "c", "type": "function", "function": {"name": "calculator", "arguments": '{"expression": "12 * 35"}'}}
-    s = Sample(label=408, metadata={"expression": "12 * 34", "tool_calls": 1, "response_text": "420",
-                                    "messages": [{"role": "assistant", "content": None, "tool_calls": [call]},
-                                                 {"role": "tool", "tool_call_id": "c", "content": "420"}]})
+    s = Sample(
+        label=408,
+        metadata={
+            "expression": "12 * 34",
+            "tool_calls": 1,
+            "response_text": "420",
+            "messages": [
+                {"role": "assistant", "content": None, "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": "c", "content": "420"},
+            ],
+        },
+    )
     r = asyncio.run(CalculatorEnvironment().reward(s))
     assert (r["right_expression"], r["copied_result"], r["score"]) == (0.0, 1.0, pytest.approx(0.5))
     with pytest.raises(ValueError, match="envs.connector"):

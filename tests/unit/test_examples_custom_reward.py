@@ -11,10 +11,10 @@ from rollout_fake_engine import CharTokenizer, FakeEngine
 
 from furlong.config import load_config
 from furlong.config.registry import load_plugin
-from furlong.data import DataSource, Prompt
 from furlong.core.client import EngineClient
-from furlong.rollout.manager import RolloutManager
 from furlong.core.sample import Sample, Status
+from furlong.data import DataSource, Prompt
+from furlong.rollout.manager import RolloutManager
 
 ROOT = Path(__file__).resolve().parents[2]
 RECIPE = ROOT / "examples" / "custom_reward" / "recipe.yaml"
@@ -31,14 +31,17 @@ def scored(fn, response: str, label: str = "cba") -> dict:
     return fn(Sample(prompt="Reverse the string abc. Answer:", label=label, metadata={"response_text": response}))
 
 
-@pytest.mark.parametrize("response, score, exact", [
-    (" cba", 1.0, 1.0),
-    (" cab", 1 / 3, 0.0),                  # only the first letter is in place
-    (" abc", 1 / 3, 0.0),                  # copying keeps the middle letter
-    (" cbaa", 3 / 4, 0.0),                 # one letter too many costs its share
-    ("", 0.0, 0.0),
-    ("junk\nAnswer: c b a.", 1.0, 1.0),    # the task's answer parsing: last "Answer:", spaces and final dot dropped
-])
+@pytest.mark.parametrize(
+    "response, score, exact",
+    [
+        (" cba", 1.0, 1.0),
+        (" cab", 1 / 3, 0.0),  # only the first letter is in place
+        (" abc", 1 / 3, 0.0),  # copying keeps the middle letter
+        (" cbaa", 3 / 4, 0.0),  # one letter too many costs its share
+        ("", 0.0, 0.0),
+        ("junk\nAnswer: c b a.", 1.0, 1.0),  # the task's answer parsing: last "Answer:", spaces and final dot dropped
+    ],
+)
 def test_partial_credit_by_hand(reward, response, score, exact):
     _, fn = reward
     assert scored(fn, response) == pytest.approx({"score": score, "exact": exact})
@@ -50,7 +53,7 @@ def test_recipe_runs_the_reward_through_the_rollout_manager(reward):
     engine = FakeEngine()
     client = EngineClient("http://fake", transport=engine.transport(), admin_token="T", retry_backoff_s=0.001)
     prompts = [Prompt(index=i, prompt=f"Reverse the string ab{i}.", label=f"{i}ba", metadata={}) for i in range(8)]
-    mgr = RolloutManager(cfg.rollout, DataSource(prompts, seed=0), client, CharTokenizer(), seed=0)
+    mgr = RolloutManager(cfg.rollout, DataSource(prompts, seed=0), client, CharTokenizer(), seed=0, reward_fn=fn)
 
     async def one_step():
         try:

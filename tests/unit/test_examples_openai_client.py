@@ -40,8 +40,9 @@ def test_chat_through_the_router_returns_exact_ids_and_logprobs(example, router_
     assert len(out["logprobs"]) == len(out["token_ids"]) == n
     assert all(lp <= 0.0 for lp in out["logprobs"])
     tok = load_tokenizer(tiny_model_dir)
-    want_prompt = tok.apply_chat_template([{"role": "user", "content": "What is 2 + 3?"}], add_generation_prompt=True,
-                                          tokenize=True, return_dict=False)
+    want_prompt = tok.apply_chat_template(
+        [{"role": "user", "content": "What is 2 + 3?"}], add_generation_prompt=True, tokenize=True, return_dict=False
+    )
     assert out["prompt_token_ids"] == list(want_prompt)
     assert out["text"] == tok.decode(out["token_ids"], skip_special_tokens=True)  # the text is those very ids
     assert example.chat(router_url + "/v1", max_tokens=12, seed=3) == out  # seeded sampling is reproducible

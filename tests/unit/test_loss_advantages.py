@@ -27,7 +27,12 @@ KL = [[0.01 * ((i + 2 * t) % 5) - 0.01 for t in range(5)] for i in range(7)]
 
 def algo(**kw):
     base = dict(
-        advantage="grpo", norm_adv_by_std=True, gamma=1.0, lam=1.0, kl_coef=0.0, kl_in_reward=False,
+        advantage="grpo",
+        norm_adv_by_std=True,
+        gamma=1.0,
+        lam=1.0,
+        kl_coef=0.0,
+        kl_in_reward=False,
     )
     base.update(kw)
     return SimpleNamespace(**base)
@@ -150,7 +155,9 @@ def test_rloo():
     ],
 )
 def test_outcome_estimators_broadcast_over_mask(name, std, expect):
-    adv, ret = compute_advantages(algo(advantage=name, norm_adv_by_std=std), _t(REWARDS), torch.tensor(GROUPS), _t(MASK))
+    adv, ret = compute_advantages(
+        algo(advantage=name, norm_adv_by_std=std), _t(REWARDS), torch.tensor(GROUPS), _t(MASK)
+    )
     assert ret is None
     assert_close(adv, ref_broadcast(expect(), MASK))
 

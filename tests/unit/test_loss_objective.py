@@ -17,12 +17,31 @@ DOCS = Path(__file__).resolve().parents[2] / "docs" / "algorithms"
 
 def algo(**kw):
     base = dict(
-        name="grpo", advantage="grpo", norm_adv_by_std=True, gamma=1.0, lam=1.0,
-        clip_eps_low=0.2, clip_eps_high=0.28, dual_clip_c=3.0, ratio_type="token", log_ratio_clamp=20.0,
-        kl_coef=0.0, kl_type="k3", kl_in_reward=False, entropy_coef=0.0,
-        loss_reducer="token_mean", reducer_constant=None,
-        correction="none", correction_level="token", correction_mode="truncate", correction_low=0.5,
-        correction_high=2.0, vf_coef=0.5, value_clip=0.2, distill_mode="advantage", distill_coef=1.0,
+        name="grpo",
+        advantage="grpo",
+        norm_adv_by_std=True,
+        gamma=1.0,
+        lam=1.0,
+        clip_eps_low=0.2,
+        clip_eps_high=0.28,
+        dual_clip_c=3.0,
+        ratio_type="token",
+        log_ratio_clamp=20.0,
+        kl_coef=0.0,
+        kl_type="k3",
+        kl_in_reward=False,
+        entropy_coef=0.0,
+        loss_reducer="token_mean",
+        reducer_constant=None,
+        correction="none",
+        correction_level="token",
+        correction_mode="truncate",
+        correction_low=0.5,
+        correction_high=2.0,
+        vf_coef=0.5,
+        value_clip=0.2,
+        distill_mode="advantage",
+        distill_coef=1.0,
     )
     base.update(kw)
     return SimpleNamespace(**base)
@@ -64,12 +83,15 @@ def ref_k3(x):
 # ------------------------------------------------------------------ totals by hand
 def test_grpo_with_tis_kl_and_entropy():
     a = algo(kl_coef=0.1, entropy_coef=0.01, correction="tis", correction_high=1.5)
-    loss, m = compute_policy_objective(
-        a, tensors(rollout_logprobs=_t(ROLL), ref_logprobs=_t(REF), entropy=_t(ENT))
-    )
+    loss, m = compute_policy_objective(a, tensors(rollout_logprobs=_t(ROLL), ref_logprobs=_t(REF), entropy=_t(ENT)))
     n = len(cells())
-    pg = sum(min(math.exp(OLD[i][t] - ROLL[i][t]), 1.5) * ref_clip(math.exp(LP[i][t] - OLD[i][t]), ADV[i][t])
-             for i, t in cells()) / n
+    pg = (
+        sum(
+            min(math.exp(OLD[i][t] - ROLL[i][t]), 1.5) * ref_clip(math.exp(LP[i][t] - OLD[i][t]), ADV[i][t])
+            for i, t in cells()
+        )
+        / n
+    )
     kl = sum(ref_k3(LP[i][t] - REF[i][t]) for i, t in cells()) / n
     ent = sum(ENT[i][t] for i, t in cells()) / n
     assert m["loss/policy"] == pytest.approx(pg, abs=1e-12)
@@ -84,8 +106,15 @@ def test_grpo_with_tis_kl_and_entropy():
 def test_gradcheck_full_objective():
     # token ratio: the sequence (GSPO-token) ratio has a designed stop-gradient gradient, which
     # test_loss_policy checks against the sequence objective instead of finite differences
-    a = algo(kl_coef=0.1, entropy_coef=0.01, correction="mis", correction_mode="mask", correction_low=0.3,
-             correction_high=3.0, loss_reducer="sample_mean")
+    a = algo(
+        kl_coef=0.1,
+        entropy_coef=0.01,
+        correction="mis",
+        correction_mode="mask",
+        correction_low=0.3,
+        correction_high=3.0,
+        loss_reducer="sample_mean",
+    )
     base = tensors(rollout_logprobs=_t(ROLL), ref_logprobs=_t(REF))
 
     def f(lp, ent):
@@ -95,8 +124,15 @@ def test_gradcheck_full_objective():
 
 
 def test_gspo_with_opsm_by_hand():
-    a = algo(name="gspo", ratio_type="sequence", correction="opsm", correction_high=0.05, dual_clip_c=None,
-             clip_eps_low=3e-4, clip_eps_high=4e-4)
+    a = algo(
+        name="gspo",
+        ratio_type="sequence",
+        correction="opsm",
+        correction_high=0.05,
+        dual_clip_c=None,
+        clip_eps_low=3e-4,
+        clip_eps_high=4e-4,
+    )
     loss, m = compute_policy_objective(a, tensors(rollout_logprobs=_t(ROLL)))
     total, n = 0.0, len(cells())
     for i in range(3):
@@ -137,8 +173,9 @@ def test_distill_advantage_mode():
     del t["advantages"]
     loss, m = compute_policy_objective(a, t)
     n = len(cells())
-    want = sum(ref_clip(math.exp(LP[i][t] - OLD[i][t]), 0.5 * (TEACHER[i][t] - OLD[i][t]), c=None)
-               for i, t in cells()) / n
+    want = (
+        sum(ref_clip(math.exp(LP[i][t] - OLD[i][t]), 0.5 * (TEACHER[i][t] - OLD[i][t]), c=None) for i, t in cells()) / n
+    )
     assert loss.item() == pytest.approx(want, abs=1e-12)
     assert m["distill/reverse_kl"] == pytest.approx(sum(OLD[i][t] - TEACHER[i][t] for i, t in cells()) / n)
 
@@ -155,8 +192,9 @@ def test_distill_reverse_kl_mode():
 
 
 def test_sft_through_the_objective():
-    loss, m = compute_policy_objective(algo(name="sft", advantage="none"), {"logprobs": _t(LP), "old_logprobs": _t(LP),
-                                                                           "mask": _t(MASK)})
+    loss, m = compute_policy_objective(
+        algo(name="sft", advantage="none"), {"logprobs": _t(LP), "old_logprobs": _t(LP), "mask": _t(MASK)}
+    )
     assert loss.item() == pytest.approx(-sum(LP[i][t] for i, t in cells()) / len(cells()))
     assert m["loss/sft"] == pytest.approx(loss.item())
 
@@ -227,13 +265,22 @@ def test_clear_errors():
 # ------------------------------------------------------------------ docs list every metric
 def _all_metric_names():
     names = set()
-    full = tensors(rollout_logprobs=_t(ROLL), ref_logprobs=_t(REF), entropy=_t(ENT),
-                   values=_t(LP), old_values=_t(OLD), returns=_t(REF))
+    full = tensors(
+        rollout_logprobs=_t(ROLL),
+        ref_logprobs=_t(REF),
+        entropy=_t(ENT),
+        values=_t(LP),
+        old_values=_t(OLD),
+        returns=_t(REF),
+    )
     for corr in ["tis", "mis", "icepop", "opsm"]:
         names |= set(compute_policy_objective(algo(kl_coef=0.1, correction=corr), full)[1])
     for mode in ["advantage", "reverse_kl"]:
-        names |= set(compute_policy_objective(algo(name="distill", distill_mode=mode),
-                                              {**full, "teacher_logprobs": _t(TEACHER)})[1])
+        names |= set(
+            compute_policy_objective(
+                algo(name="distill", distill_mode=mode), {**full, "teacher_logprobs": _t(TEACHER)}
+            )[1]
+        )
     names |= set(compute_policy_objective(algo(name="sft"), full)[1])
     return names
 

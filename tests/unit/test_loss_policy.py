@@ -49,7 +49,9 @@ def test_ppo_clip_values_gradients_and_fractions(dual):
         assert loss[0, t].item() == pytest.approx(ref_ppo_token(RATIOS[0][t], ADVS[0][t], dual), abs=1e-12)
     (loss * _t(MASK)).sum().backward()
     for t in range(5):
-        assert lp.grad[0, t].item() == pytest.approx(ref_ppo_grad_wrt_logprob(RATIOS[0][t], ADVS[0][t], dual), abs=1e-12)
+        assert lp.grad[0, t].item() == pytest.approx(
+            ref_ppo_grad_wrt_logprob(RATIOS[0][t], ADVS[0][t], dual), abs=1e-12
+        )
     assert m["policy/clip_frac_high"] == pytest.approx(1 / 5)
     assert m["policy/clip_frac_low"] == pytest.approx(1 / 5)
     assert m["policy/clip_frac"] == pytest.approx(2 / 5)

@@ -32,8 +32,13 @@ def test_created_model_reloads_with_identical_token_ids(arch, tmp_path):
     messages = [
         {"role": "system", "content": "You add numbers."},
         {"role": "user", "content": "3+4=?"},
-        {"role": "assistant", "content": "", "tool_calls": [
-            {"type": "function", "function": {"name": "calculator", "arguments": {"expression": "3+4"}}}]},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [
+                {"type": "function", "function": {"name": "calculator", "arguments": {"expression": "3+4"}}}
+            ],
+        },
         {"role": "tool", "content": "7"},
         {"role": "assistant", "content": "Answer: 7"},
     ]
@@ -71,8 +76,14 @@ def test_m25_has_the_documented_shape():
     from furlong.models.factory import hf_config
 
     cfg = hf_config("qwen3", SIZES["m25"])
-    assert (cfg.hidden_size, cfg.num_hidden_layers, cfg.num_attention_heads,
-            cfg.num_key_value_heads, cfg.head_dim, cfg.intermediate_size) == (512, 8, 8, 4, 64, 1536)
+    assert (
+        cfg.hidden_size,
+        cfg.num_hidden_layers,
+        cfg.num_attention_heads,
+        cfg.num_key_value_heads,
+        cfg.head_dim,
+        cfg.intermediate_size,
+    ) == (512, 8, 8, 4, 64, 1536)
     with torch.device("meta"):
         n = sum(p.numel() for p in AutoModelForCausalLM.from_config(cfg).parameters())
     assert 24e6 < n < 27e6

@@ -5,10 +5,10 @@ from __future__ import annotations
 import sqlite3
 import time
 
+from furlong.core.sample import Sample, Status
 from furlong.observe.advisories import advise
 from furlong.observe.reader import RunReader
 from furlong.observe.store import EventStore
-from furlong.core.sample import Sample, Status
 
 
 def group(step, g, rewards, statuses=None, length=4):

@@ -6,7 +6,6 @@ import importlib.util
 import io
 import json
 import logging
-from types import SimpleNamespace
 
 import pytest
 
@@ -53,7 +52,7 @@ def test_build_sinks_follows_the_observe_config(tmp_path, caplog):
     missing = [f for f in ("wandb", "mlflow") if importlib.util.find_spec(f) is None]
     if not missing:
         pytest.skip("wandb and mlflow are both installed here")
-    cfg = SimpleNamespace(log_every=1, jsonl=False, tensorboard=False, wandb=True, mlflow=True, project="p")
+    cfg = ObserveConfig(log_every=1, jsonl=False, tensorboard=False, wandb=True, mlflow=True, project="p")
     with caplog.at_level(logging.WARNING, "furlong.observe"):
         sinks = build_sinks(cfg, tmp_path, console=False)
     assert all(type(s).__name__.lower()[:5] not in {m[:5] for m in missing} for s in sinks)

@@ -9,9 +9,9 @@ import threading
 
 import pytest
 
+from furlong.core.sample import Sample, Source, Status
 from furlong.observe.reader import RunReader
 from furlong.observe.store import DB_NAME, EventStore
-from furlong.core.sample import Sample, Source, Status
 
 
 class ByteTokenizer:
@@ -45,7 +45,11 @@ def test_spans_metrics_and_samples_round_trip(tmp_path):
         store.samples(7, [s], train_logprobs=[[-0.4, -1.6, float("-inf"), -0.2]], advantages=[0.75], version=5)
     (span,) = rows(tmp_path, "SELECT worker, device, phase, step, end >= start, attrs FROM spans")
     assert span == ("trainer/0", "cpu:1", "forward-backward", 7, 1, '{"micro": 2}')
-    assert rows(tmp_path, "SELECT step, name, value FROM metrics ORDER BY id") == [(7, "loss/total", 0.5), (7, "policy/entropy", 2.0), (8, "loss/total", 0.25)]
+    assert rows(tmp_path, "SELECT step, name, value FROM metrics ORDER BY id") == [
+        (7, "loss/total", 0.5),
+        (7, "policy/entropy", 2.0),
+        (8, "loss/total", 0.25),
+    ]
 
     got = RunReader(tmp_path).sample(1)
     assert (got["step"], got["idx"], got["grp"], got["reward"], got["status"]) == (7, 0, 0, 1.0, "truncated")

@@ -106,10 +106,10 @@ def ref_fp8(w: np.ndarray):
     codes = np.zeros(w.shape, dtype=np.uint8)
     for i in range(scales.shape[0]):
         for j in range(scales.shape[1]):
-            tile = w[i * 128:(i + 1) * 128, j * 128:(j + 1) * 128]
+            tile = w[i * 128 : (i + 1) * 128, j * 128 : (j + 1) * 128]
             scales[i, j] = s = max(F32(F32(np.abs(tile).max()) / F32(448)), TINY)
             scaled = tile / s
-            codes[i * 128:(i + 1) * 128, j * 128:(j + 1) * 128] = [[ref_e4m3(float(v)) for v in r] for r in scaled]
+            codes[i * 128 : (i + 1) * 128, j * 128 : (j + 1) * 128] = [[ref_e4m3(float(v)) for v in r] for r in scaled]
     return codes, scales
 
 
@@ -120,12 +120,12 @@ def ref_mxfp8(w: np.ndarray):
     scale_codes = np.zeros((wp.shape[0], wp.shape[1] // 32), dtype=np.uint8)
     for r in range(wp.shape[0]):
         for b in range(scale_codes.shape[1]):
-            block = wp[r, b * 32:(b + 1) * 32]
+            block = wp[r, b * 32 : (b + 1) * 32]
             amax = float(np.abs(block).max())
             exp = math.frexp(amax)[1] - 1 - 8 if amax > 0 else -127
             exp = min(max(exp, -127), 127)
             scale_codes[r, b] = exp + 127
-            codes[r, b * 32:(b + 1) * 32] = [ref_e4m3(float(v) / 2.0**exp) for v in block]
+            codes[r, b * 32 : (b + 1) * 32] = [ref_e4m3(float(v) / 2.0**exp) for v in block]
     return codes[:, : w.shape[1]], scale_codes
 
 
@@ -137,11 +137,11 @@ def ref_nvfp4(w: np.ndarray):
     scale_codes = np.zeros((wp.shape[0], wp.shape[1] // 16), dtype=np.uint8)
     for r in range(wp.shape[0]):
         for b in range(scale_codes.shape[1]):
-            block = wp[r, b * 16:(b + 1) * 16]
+            block = wp[r, b * 16 : (b + 1) * 16]
             s_b = max(F32(F32(F32(np.abs(block).max()) / F32(6)) / s_t), F32(2.0**-9))
             scale_codes[r, b] = c = ref_e4m3(float(s_b))
             factor = F32(F32(e4m3_value(c)) * s_t)
-            codes[r, b * 16:(b + 1) * 16] = [ref_e2m1(float(v)) for v in block / factor]
+            codes[r, b * 16 : (b + 1) * 16] = [ref_e2m1(float(v)) for v in block / factor]
     return ref_pack(codes), scale_codes, s_t
 
 
@@ -152,10 +152,10 @@ def ref_int4(w: np.ndarray, group: int = 128, bf16: bool = False):
     scales = np.zeros((wp.shape[0], wp.shape[1] // group), dtype=F32)
     for r in range(wp.shape[0]):
         for g in range(scales.shape[1]):
-            block = wp[r, g * group:(g + 1) * group]
+            block = wp[r, g * group : (g + 1) * group]
             s = max(F32(F32(np.abs(block).max()) / F32(7)), TINY)
             scales[r, g] = s = ref_bf16(s) if bf16 else s
-            codes[r, g * group:(g + 1) * group] = [min(max(round(float(v)), -8), 7) + 8 for v in block / s]
+            codes[r, g * group : (g + 1) * group] = [min(max(round(float(v)), -8), 7) + 8 for v in block / s]
     return ref_pack(codes), scales
 
 

@@ -105,8 +105,10 @@ def test_quantised_tiny_qwen3_log_probs_stay_close_to_fp32(qwen3_tiny, capsys):
         assert len(names) == n_linears and "lm_head" not in names
         with torch.no_grad():
             lp = torch.log_softmax(model(ids).logits[:, :-1], dim=-1)
-        gaps[fmt] = ((lp.gather(-1, ids[:, 1:, None]) - ref_tok).abs().mean().item(),
-                     (lp.exp() * (lp - ref)).sum(-1).mean().item())
+        gaps[fmt] = (
+            (lp.gather(-1, ids[:, 1:, None]) - ref_tok).abs().mean().item(),
+            (lp.exp() * (lp - ref)).sum(-1).mean().item(),
+        )
     with capsys.disabled():
         for fmt, (gap, kl) in gaps.items():
             print(f"\n{fmt:6s} mean|dlogp| {gap:.2e}  KL(q||fp32) {kl:.2e}", end="")
@@ -129,8 +131,8 @@ def test_the_fp8_scaled_mm_scheme_computes_the_block_scaled_product_on_cpu():
     w = qt.dequantize()
     ref = torch.zeros(2, 5, 256)
     for j in range(3):
-        xs = x[..., j * 128:(j + 1) * 128]
+        xs = x[..., j * 128 : (j + 1) * 128]
         sa = (xs.abs().amax(-1, keepdim=True) / 448).clamp(min=2.0**-126)
-        ref += (to_e4m3(xs / sa).float() * sa) @ w[:, j * 128:(j + 1) * 128].T
+        ref += (to_e4m3(xs / sa).float() * sa) @ w[:, j * 128 : (j + 1) * 128].T
     assert y.shape == ref.shape and ((y - ref).norm() / ref.norm()).item() < 4e-3
     assert _fp8_scaled_mm_linear(x[..., :200], quantize(torch.randn(256, 200), "fp8"), None) is None  # in % 128

@@ -153,11 +153,13 @@ def test_offered_context_reaches_only_functions_that_declare_it(mod):
 
 
 def test_load_all_collects_every_bad_plug_point(mod):
-    cfg = Config.from_dict({
-        "rollout": {"reward_fn": f"{mod}:reward", "generate_fn": f"{mod}:sync_generate"},
-        "train": {"loss_fn": f"{mod}:nope"},
-        "observe": {"sinks": [f"{mod}:source_plain", "missing_mod_q:sink"]},
-    })
+    cfg = Config.from_dict(
+        {
+            "rollout": {"reward_fn": f"{mod}:reward", "generate_fn": f"{mod}:sync_generate"},
+            "train": {"loss_fn": f"{mod}:nope"},
+            "observe": {"sinks": [f"{mod}:source_plain", "missing_mod_q:sink"]},
+        }
+    )
     with pytest.raises(ConfigError) as info:
         load_all(cfg)
     msg = str(info.value)
@@ -165,7 +167,9 @@ def test_load_all_collects_every_bad_plug_point(mod):
     assert f"train.loss_fn='{mod}:nope'" in msg
     assert "observe.sinks[1]='missing_mod_q:sink'" in msg
     assert len(info.value.problems) == 3
-    ok = load_all(Config.from_dict({"rollout": {"reward_fn": f"{mod}:reward"}, "observe": {"sinks": [f"{mod}:source_plain"]}}))
+    ok = load_all(
+        Config.from_dict({"rollout": {"reward_fn": f"{mod}:reward"}, "observe": {"sinks": [f"{mod}:source_plain"]}})
+    )
     assert ok["rollout.reward_fn"].__name__ == "reward" and len(ok["observe.sinks"]) == 1
     assert ok["rollout.generate_fn"].__name__ == "generate"  # unset: the default
     assert ok["rollout.agent_fn"] is None  # unset and no default
@@ -185,7 +189,9 @@ def test_every_default_loads_and_fits_its_signature():
 def _plugin_fields(model, prefix=""):
     out = set()
     for name, info in model.model_fields.items():
-        sub = info.annotation if isinstance(info.annotation, type) and hasattr(info.annotation, "model_fields") else None
+        sub = (
+            info.annotation if isinstance(info.annotation, type) and hasattr(info.annotation, "model_fields") else None
+        )
         if sub is not None:
             out |= _plugin_fields(sub, f"{prefix}{name}.")
         elif any(getattr(m, "func", None) is check_plugin_path for m in info.metadata) or (
@@ -199,9 +205,30 @@ def test_registry_and_schema_agree():
     keys = [p.key for p in PLUG_POINTS]
     assert len(keys) == len(set(keys)) and len({p.name for p in PLUG_POINTS}) == len(keys)
     assert set(keys) == _plugin_fields(Config)
-    required = {"rollout", "generate", "agent", "reward", "group_reward", "reward_post_process", "dynamic_filter",
-                "sample_filter", "data_source", "buffer", "loss", "correction", "reducer", "advantage", "convert",
-                "tool", "environment", "sandbox", "eval", "logging_sink", "before_train_step", "after_save"}
+    required = {
+        "rollout",
+        "generate",
+        "agent",
+        "reward",
+        "group_reward",
+        "reward_post_process",
+        "dynamic_filter",
+        "sample_filter",
+        "data_source",
+        "buffer",
+        "loss",
+        "correction",
+        "reducer",
+        "advantage",
+        "convert",
+        "tool",
+        "environment",
+        "sandbox",
+        "eval",
+        "logging_sink",
+        "before_train_step",
+        "after_save",
+    }
     assert required <= {p.name for p in PLUG_POINTS}
 
 
@@ -229,7 +256,9 @@ def test_offered_context_keeps_async_functions_async(mod):
 
     fn = load_plugin("rollout.eval_fn", f"{mod}:evaluate")
     assert inspect.iscoroutinefunction(fn)
-    out = asyncio.run(fn(None, [1, 2], n_samples=1, sampling_params={}, reward_fn=None, generate_fn=None, seed=0, step=3))
+    out = asyncio.run(
+        fn(None, [1, 2], n_samples=1, sampling_params={}, reward_fn=None, generate_fn=None, seed=0, step=3)
+    )
     assert out == {"step": 3, "n": 2}
 
 

@@ -5,15 +5,14 @@ from __future__ import annotations
 import asyncio
 import json
 
-
 import pytest
 from rollout_fake_engine import CharTokenizer, FakeEngine
 
-from furlong.data import DataSource, Prompt
 from furlong.config.schema import RolloutConfig
 from furlong.core.client import EngineClient
-from furlong.rollout.manager import RolloutExhausted, RolloutManager
 from furlong.core.sample import Status
+from furlong.data import DataSource, Prompt
+from furlong.rollout.manager import RolloutExhausted, RolloutManager
 
 
 def Cfg(**kw):
@@ -22,7 +21,10 @@ def Cfg(**kw):
 
 
 def make_prompts(n: int = 40, labels: tuple[str, ...] = ("mixed",)) -> list[Prompt]:
-    return [Prompt(index=i, prompt=f"question {i}?", label=labels[i % len(labels)], metadata={"kind": "test"}) for i in range(n)]
+    return [
+        Prompt(index=i, prompt=f"question {i}?", label=labels[i % len(labels)], metadata={"kind": "test"})
+        for i in range(n)
+    ]
 
 
 def label_reward(sample) -> float:
@@ -37,7 +39,13 @@ def label_reward(sample) -> float:
 
 
 def make_manager(cfg: Cfg, engine: FakeEngine, prompts=None, **kw) -> RolloutManager:
-    client = EngineClient("http://fake", transport=engine.transport(), admin_token="T", max_inflight=kw.pop("max_inflight", 16), retry_backoff_s=0.001)
+    client = EngineClient(
+        "http://fake",
+        transport=engine.transport(),
+        admin_token="T",
+        max_inflight=kw.pop("max_inflight", 16),
+        retry_backoff_s=0.001,
+    )
     source = DataSource(prompts or make_prompts(), seed=0, shuffle=kw.pop("shuffle", True))
     kw.setdefault("reward_fn", label_reward)
     return RolloutManager(cfg, source, client, CharTokenizer(), seed=7, **kw)
@@ -57,7 +65,19 @@ async def drive(mgr: RolloutManager, engine: FakeEngine, steps: int, *, train=No
 
 
 def key(batch) -> list[tuple]:
-    return [(s.index, s.group_index, s.metadata["prompt_index"], tuple(s.tokens), tuple(s.rollout_logprobs), tuple(s.token_versions), s.reward, s.status.value) for s in batch]
+    return [
+        (
+            s.index,
+            s.group_index,
+            s.metadata["prompt_index"],
+            tuple(s.tokens),
+            tuple(s.rollout_logprobs),
+            tuple(s.token_versions),
+            s.reward,
+            s.status.value,
+        )
+        for s in batch
+    ]
 
 
 def check_batch(batch, cfg: Cfg, version: int, bound: int) -> None:
@@ -132,7 +152,9 @@ def test_async_backpressure_and_staleness_bound():
             while len(mgr.buffer) < 5 or any(not g.finished for g in mgr.buffer):
                 await asyncio.sleep(0.001)
             st = mgr.stats()
-            assert st["in_buffer"] == 5 and st["prompts_taken"] == st["groups_trained"] + 5 + sum(st["filtered"].values())
+            assert st["in_buffer"] == 5 and st["prompts_taken"] == st["groups_trained"] + 5 + sum(
+                st["filtered"].values()
+            )
 
         batches = await drive(mgr, engine, 4, train=train)
         for step, b in enumerate(batches):
@@ -201,7 +223,7 @@ def test_dynamic_filter_counts_and_sample_filter():
         cfg = Cfg(rollout_batch_size=4, over_sampling=2.0, dynamic_filter=True)
         # prompts cycle mixed, all1, all0: exactly one in three survives the filter
         prompts = make_prompts(30, ("mixed", "all1", "all0"))
-        masked = lambda s: "odd" if s.metadata["sample_index"] == 3 else None  # noqa: E731
+        masked = lambda s: "odd" if s.metadata["sample_index"] == 3 else None
         mgr = make_manager(cfg, engine, prompts=prompts, shuffle=False, sample_filter_fn=masked)
         batches = await drive(mgr, engine, 2)
         for b in batches:
@@ -241,7 +263,7 @@ def test_group_reward_fn_and_its_errors():
             if samples[0].metadata["prompt_index"] == 1:
                 return [1.0]  # wrong length: the group fails, the run goes on
             lengths = [s.response_length for s in samples]
-            return [{"score": float(l == max(lengths)), "length": float(l)} for l in lengths]
+            return [{"score": float(n == max(lengths)), "length": float(n)} for n in lengths]
 
         cfg = Cfg(rollout_batch_size=2)
         mgr = make_manager(cfg, engine, reward_fn=None, group_reward_fn=rank_reward, shuffle=False)
@@ -322,8 +344,10 @@ def test_partial_rollout_resumes_keeping_logprobs_and_versions():
             while pos < s.response_length:
                 context = s.tokens[: s.prompt_length + pos]
                 piece = next(
-                    r for r in engine.log
-                    if r["input_ids"] == context and r["output_ids"]
+                    r
+                    for r in engine.log
+                    if r["input_ids"] == context
+                    and r["output_ids"]
                     and r["output_ids"] == s.response_tokens[pos : pos + len(r["output_ids"])]
                     and r["logprobs"] == s.rollout_logprobs[pos : pos + len(r["output_ids"])]
                     and r["versions"] == s.token_versions[pos : pos + len(r["output_ids"])]
@@ -404,7 +428,9 @@ def test_concurrency_limit_and_transport_retries():
         engine = FakeEngine(token_delay_s=0.0005)
         flaky = FlakyTransport(engine.transport(), fail_first=5)
         client = EngineClient("http://fake", transport=flaky, admin_token="T", max_inflight=3, retry_backoff_s=0.001)
-        mgr = RolloutManager(Cfg(rollout_batch_size=4), DataSource(make_prompts()), client, CharTokenizer(), reward_fn=label_reward)
+        mgr = RolloutManager(
+            Cfg(rollout_batch_size=4), DataSource(make_prompts()), client, CharTokenizer(), reward_fn=label_reward
+        )
         batch = await mgr.next_batch(0)
         assert len(batch) == 16 and engine.max_active == 3
         assert flaky.failures == 5 and client.transport_errors == 5 and mgr.stats()["generate_errors"] == 0
@@ -416,7 +442,7 @@ def test_concurrency_limit_and_transport_retries():
 def test_eval_every_k_steps_with_pass_at_k():
     async def main():
         engine = FakeEngine()
-        first_even = lambda s: float(s.response_tokens[0] % 2 == 0)  # noqa: E731
+        first_even = lambda s: float(s.response_tokens[0] % 2 == 0)
         cfg = Cfg(eval_every=2, eval_n_samples=4)
         held_out = make_prompts(6)
         mgr = make_manager(cfg, engine, reward_fn=first_even, eval_prompts=held_out)
@@ -431,7 +457,9 @@ def test_eval_every_k_steps_with_pass_at_k():
         counts, greedy = [], []
         for p in held_out:
             ids = tok.encode(p.prompt)
-            c = sum(engine.next_token({"seed": derive_seed("eval", 7, p.index, j)}, 0, ids)[0] % 2 == 0 for j in range(4))
+            c = sum(
+                engine.next_token({"seed": derive_seed("eval", 7, p.index, j)}, 0, ids)[0] % 2 == 0 for j in range(4)
+            )
             counts.append(c)
             greedy.append(engine.next_token({"temperature": 0.0}, 0, ids)[0] % 2 == 0)
         assert m["eval/pass@1"] == pytest.approx(sum(c / 4 for c in counts) / 6)

@@ -74,6 +74,7 @@ def test_session_key_is_the_shared_prompt_prefix():
     turn1 = {"messages": [{"role": "system", "content": "S"}, {"role": "user", "content": "Q"}]}
     turn2 = {"messages": turn1["messages"] + [{"role": "assistant", "content": "A"}, {"role": "user", "content": "Q2"}]}
     assert derive_session_key("/v1/chat/completions", turn1) == derive_session_key("/v1/chat/completions", turn2)
+
     def key(**body):
         return derive_session_key("/generate", body)
 
@@ -88,19 +89,29 @@ def test_unknown_policy_is_rejected_by_name():
         Policy("fastest")
 
 
-@pytest.mark.parametrize("given, expected", [
-    ("http://127.0.0.1:30001/", "http://127.0.0.1:30001"),
-    ("127.0.0.1:30001", "http://127.0.0.1:30001"),
-    (" https://node-3:443 ", "https://node-3:443"),
-])
+@pytest.mark.parametrize(
+    "given, expected",
+    [
+        ("http://127.0.0.1:30001/", "http://127.0.0.1:30001"),
+        ("127.0.0.1:30001", "http://127.0.0.1:30001"),
+        (" https://node-3:443 ", "https://node-3:443"),
+    ],
+)
 def test_normalize_url(given, expected):
     assert normalize_url(given) == expected
 
 
-@pytest.mark.parametrize("bad, why", [
-    ("", "expected an engine URL"), ("http://host", "no port"), ("ftp://h:1", "http"),
-    ("http://h:1/generate", "bare base URL"), ("http://h:99999", "not a valid URL"), (7, "expected an engine URL"),
-])
+@pytest.mark.parametrize(
+    "bad, why",
+    [
+        ("", "expected an engine URL"),
+        ("http://host", "no port"),
+        ("ftp://h:1", "http"),
+        ("http://h:1/generate", "bare base URL"),
+        ("http://h:99999", "not a valid URL"),
+        (7, "expected an engine URL"),
+    ],
+)
 def test_normalize_url_rejects_with_the_field_name(bad, why):
     with pytest.raises(ValueError, match=f"^url: .*{why}"):
         normalize_url(bad)

@@ -20,9 +20,10 @@ from tools.schema_readers import unread_fields
 
 def test_every_setting_has_a_reader():
     unread = unread_fields()
-    assert not unread, (f"{len(unread)} setting(s) of furlong.config.schema.Config that nothing in furlong/ reads "
-                        "(wire each to the component it configures, or remove it):\n"
-                        + "\n".join(f"  {p}" for p in unread))
+    assert not unread, (
+        f"{len(unread)} setting(s) of furlong.config.schema.Config that nothing in furlong/ reads "
+        "(wire each to the component it configures, or remove it):\n" + "\n".join(f"  {p}" for p in unread)
+    )
 
 
 class _KnobbedTrain(TrainConfig):
@@ -52,7 +53,9 @@ def _package(root: Path, text: str) -> Path:
 
 
 def test_what_counts_as_a_read(tmp_path):
-    pkg = _package(tmp_path, '''
+    pkg = _package(
+        tmp_path,
+        """
         from furlong.config.schema import Config, EngineConfig, RolloutConfig
 
         def launch(engine: EngineConfig, whole: Config):
@@ -71,10 +74,19 @@ def test_what_counts_as_a_read(tmp_path):
 
         def unrelated(server):
             return server.engine.max_running, server.kv_cache_mb  # not a section: does not count
-    ''')
+    """,
+    )
     unread = set(unread_fields(package=pkg))
-    read = {"engine.max_context", "engine.prefix_cache", "engine.dtype", "rollout.temperature", "train.loss_fn",
-            "engine", "rollout", "train"}
+    read = {
+        "engine.max_context",
+        "engine.prefix_cache",
+        "engine.dtype",
+        "rollout.temperature",
+        "train.loss_fn",
+        "engine",
+        "rollout",
+        "train",
+    }
     assert not read & unread, read & unread
     assert {"engine.max_running", "engine.kv_cache_mb", "rollout.top_p"} <= unread
     assert "engine.num_engines" in unread  # config/ validates fields; that is not a read

@@ -29,7 +29,9 @@ def test_pack_matches_separate_forwards() -> None:
     assert p.input_ids.shape == (1, 13) and p.shape == (3, 4)
     assert p.position_ids[0].tolist() == [0, 1, 2, 3, 4, 0, 1, 2, 3, 4, 0, 1, 2]
     assert p.flat_index.tolist() == [2, 3, 5, 6, 7, 8, 11]
-    logits = model(input_ids=p.input_ids, position_ids=p.position_ids, use_cache=False, logits_to_keep=p.flat_index).logits[0]
+    logits = model(
+        input_ids=p.input_ids, position_ids=p.position_ids, use_cache=False, logits_to_keep=p.flat_index
+    ).logits[0]
     lp = p.scatter(torch.log_softmax(logits, -1).gather(-1, p.targets[:, None]).squeeze(-1))
     for i, s in enumerate(samples):
         alone = torch.log_softmax(model(torch.tensor([s.tokens])).logits[0], -1)

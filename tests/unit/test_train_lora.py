@@ -16,7 +16,9 @@ from furlong.train.trainer import Trainer  # noqa: E402
 
 
 def lora_trainer(**algo_kw) -> Trainer:
-    cfg = TrainConfig(lr=1e-2, lora=LoraConfig(enabled=True, r=4, alpha=8, target_modules=["q_proj", "v_proj", "down_proj"]))
+    cfg = TrainConfig(
+        lr=1e-2, lora=LoraConfig(enabled=True, r=4, alpha=8, target_modules=["q_proj", "v_proj", "down_proj"])
+    )
     return Trainer(MODEL, cfg, algo(**algo_kw))
 
 

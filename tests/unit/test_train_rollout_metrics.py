@@ -15,8 +15,11 @@ def _sample(reward, n: int = 3) -> Sample:
 
 
 def test_dict_reward_components_are_averaged_beside_the_score() -> None:
-    batch = [_sample({"score": 1.0, "used_tool": 1.0, "tool_calls": 2.0}), _sample({"score": 0.0, "used_tool": 0.0}),
-             _sample(0.5)]
+    batch = [
+        _sample({"score": 1.0, "used_tool": 1.0, "tool_calls": 2.0}),
+        _sample({"score": 0.0, "used_tool": 0.0}),
+        _sample(0.5),
+    ]
     m = rollout_metrics(batch)
     assert m["rollout/reward_mean"] == 0.5
     assert m["rollout/reward/used_tool"] == 0.5  # over the two samples that report it

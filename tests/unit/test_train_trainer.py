@@ -16,11 +16,31 @@ MODEL = create_model("qwen3", "tiny")
 
 def algo(**kw):
     base = dict(
-        name="grpo", advantage="grpo", norm_adv_by_std=True, gamma=1.0, lam=0.95, clip_eps_low=0.2,
-        clip_eps_high=0.2, dual_clip_c=None, ratio_type="token", log_ratio_clamp=20.0, kl_coef=0.0, kl_type="k3",
-        kl_in_reward=False, entropy_coef=0.0, loss_reducer="sample_mean", reducer_constant=None, correction="none",
-        correction_level="token", correction_mode="truncate", correction_low=0.5, correction_high=2.0, vf_coef=0.5,
-        value_clip=0.2, distill_mode="advantage", distill_coef=1.0,
+        name="grpo",
+        advantage="grpo",
+        norm_adv_by_std=True,
+        gamma=1.0,
+        lam=0.95,
+        clip_eps_low=0.2,
+        clip_eps_high=0.2,
+        dual_clip_c=None,
+        ratio_type="token",
+        log_ratio_clamp=20.0,
+        kl_coef=0.0,
+        kl_type="k3",
+        kl_in_reward=False,
+        entropy_coef=0.0,
+        loss_reducer="sample_mean",
+        reducer_constant=None,
+        correction="none",
+        correction_level="token",
+        correction_mode="truncate",
+        correction_low=0.5,
+        correction_high=2.0,
+        vf_coef=0.5,
+        value_clip=0.2,
+        distill_mode="advantage",
+        distill_coef=1.0,
     )
     base.update(kw)
     return AlgoConfig(**base)
@@ -52,7 +72,11 @@ def test_grad_accumulation_equals_one_big_batch(reducer: str) -> None:
     """
     results = []
     for budget in (10_000, 20):  # one micro-batch vs several
-        tr = Trainer(MODEL, TrainConfig(lr=1e-3, micro_batch_tokens=budget), algo(loss_reducer=reducer, reducer_constant=16.0, kl_coef=0.1, entropy_coef=0.01))
+        tr = Trainer(
+            MODEL,
+            TrainConfig(lr=1e-3, micro_batch_tokens=budget),
+            algo(loss_reducer=reducer, reducer_constant=16.0, kl_coef=0.1, entropy_coef=0.01),
+        )
         assert len(tr._plan(tr.prepare(samples()).seq_lengths)) == (1 if budget > 1000 else 5)
         m = [tr.train_step(samples(0))]
         grads = {n: p.grad.clone() for n, p in tr.policy.named_parameters()}
@@ -83,8 +107,20 @@ def test_logprobs_at_rollout_temperature() -> None:
 def test_metrics_and_reference_refresh() -> None:
     tr = Trainer(MODEL, TrainConfig(lr=1e-2, ref_update_every=2, grad_clip=0.5), algo(kl_coef=0.1))
     m = tr.train_step(samples(0))
-    for key in ("loss", "grad_norm", "lr", "tokens", "policy/clip_frac", "policy/kl_ref", "policy/entropy",
-                "mismatch/logprob_abs_diff", "mismatch/kl", "mismatch/ess_ratio", "loss/policy", "loss/kl"):
+    for key in (
+        "loss",
+        "grad_norm",
+        "lr",
+        "tokens",
+        "policy/clip_frac",
+        "policy/kl_ref",
+        "policy/entropy",
+        "mismatch/logprob_abs_diff",
+        "mismatch/kl",
+        "mismatch/ess_ratio",
+        "loss/policy",
+        "loss/kl",
+    ):
         assert key in m, key
     assert m["tokens"] == sum(sum(s.loss_mask) for s in samples(0))
     assert 0 < m["mismatch/ess_ratio"] <= 1

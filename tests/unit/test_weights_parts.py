@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from furlong.weights.p2p import gather_to, partition
-from furlong.weights.schema import check_against
 from furlong.weights.base import buckets
 from furlong.weights.factory import make_sender
+from furlong.weights.p2p import gather_to, partition
 from furlong.weights.report import SyncReport, WeightSyncError
+from furlong.weights.schema import check_against
 
 
 def named(*sizes: int) -> list[tuple[str, torch.Tensor]]:

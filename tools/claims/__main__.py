@@ -46,9 +46,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--root", type=Path, default=Path.cwd(), help="repository root (default: current directory)")
     p.add_argument("--junit", type=Path, default=None, help="pytest JUnit XML (default: ROOT/.reports/junit.xml)")
     p.add_argument("--no-evidence", action="store_true", help="do not read test outcomes (no suite has run)")
-    p.add_argument("--partial-run", action="store_true", help="the report covers part of the suite: absent tests are fine")
+    p.add_argument(
+        "--partial-run", action="store_true", help="the report covers part of the suite: absent tests are fine"
+    )
     p.add_argument("--no-references", action="store_true", help="skip the staleness check of generated reference pages")
-    p.add_argument("--write-readme", action="store_true", help="regenerate the feature tables of README.md and docs/index.md from docs/features.yaml")
+    p.add_argument(
+        "--write-readme",
+        action="store_true",
+        help="regenerate the feature tables of README.md and docs/index.md from docs/features.yaml",
+    )
     p.add_argument("--write-reference", action="store_true", help="regenerate docs/reference/cli.md and config.md")
     args = p.parse_args(argv)
     root = args.root.resolve()
@@ -59,8 +65,13 @@ def main(argv: list[str] | None = None) -> int:
         if args.write_reference:
             rc |= _write_reference(root)
         return rc
-    problems = run_checks(root, junit=args.junit, evidence=not args.no_evidence,
-                          partial_run=args.partial_run, references=not args.no_references)
+    problems = run_checks(
+        root,
+        junit=args.junit,
+        evidence=not args.no_evidence,
+        partial_run=args.partial_run,
+        references=not args.no_references,
+    )
     for problem in problems:
         print(problem)
     if problems:

@@ -43,7 +43,9 @@ def run_checks(
     if evidence:
         report = junit or root / JUNIT
         if not report.exists():
-            problems.append(Problem(JUNIT, 0, "no JUnit report: run the suite first (`make test` or scripts/run-tests.sh)"))
+            problems.append(
+                Problem(JUNIT, 0, "no JUnit report: run the suite first (`make test` or scripts/run-tests.sh)")
+            )
         else:
             try:
                 cases = read_junit(report)
@@ -76,6 +78,11 @@ def check_references(root: Path) -> list[Problem]:
         if diff is None and len(have) != len(want):
             diff = min(len(have), len(want)) + 1
         if diff is not None:
-            out.append(Problem(rel, diff, "stale: differs from what the code generates now; "
-                                          "run `python -m tools.claims --write-reference`"))
+            out.append(
+                Problem(
+                    rel,
+                    diff,
+                    "stale: differs from what the code generates now; run `python -m tools.claims --write-reference`",
+                )
+            )
     return out

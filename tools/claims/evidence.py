@@ -71,7 +71,9 @@ def _defined(path: Path, _mtime: int) -> frozenset[str]:
             names.add(node.name)
         elif isinstance(node, ast.ClassDef):
             names.add(node.name)
-            names.update(f"{node.name}::{m.name}" for m in node.body if isinstance(m, (ast.FunctionDef, ast.AsyncFunctionDef)))
+            names.update(
+                f"{node.name}::{m.name}" for m in node.body if isinstance(m, (ast.FunctionDef, ast.AsyncFunctionDef))
+            )
     return frozenset(names)
 
 
@@ -85,7 +87,11 @@ def outcome(cases: list[Case], test: str) -> str:
     if rest:
         cls = ".".join([module, *rest[:-1]])
         name = rest[-1]
-        hits = [c for c in cases if c.classname == cls and (c.name == name or ("[" not in name and c.name.startswith(name + "[")))]
+        hits = [
+            c
+            for c in cases
+            if c.classname == cls and (c.name == name or ("[" not in name and c.name.startswith(name + "[")))
+        ]
     else:
         hits = [c for c in cases if c.classname == module or c.classname.startswith(module + ".")]
     if not hits:

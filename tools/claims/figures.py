@@ -99,15 +99,25 @@ def check_counts(root: Path, files: list[Path], counters: dict[str, Callable[[Pa
                     cache[m.name] = str(e)
             actual = cache[m.name]
             if isinstance(actual, str):
-                problems.append(Problem(rel, m.line, f"count {m.name} cannot be computed ({actual}); do not state it yet"))
+                problems.append(
+                    Problem(rel, m.line, f"count {m.name} cannot be computed ({actual}); do not state it yet")
+                )
             elif m.value != str(actual):
-                problems.append(Problem(rel, m.line, f"count {m.name} is written {m.value!r} but the code has {actual}"))
+                problems.append(
+                    Problem(rel, m.line, f"count {m.name} is written {m.value!r} but the code has {actual}")
+                )
         for n, line in prose_lines(text):
             line = strip_markers(line, "count")
             for pattern, name in _UNMARKED_COUNT:
                 for hit in pattern.finditer(line):
-                    problems.append(Problem(rel, n, f"count {hit.group(0)!r} is not backed by code; "
-                                                    f"write <!-- count:{name} -->N<!-- /count --> instead"))
+                    problems.append(
+                        Problem(
+                            rel,
+                            n,
+                            f"count {hit.group(0)!r} is not backed by code; "
+                            f"write <!-- count:{name} -->N<!-- /count --> instead",
+                        )
+                    )
     return problems
 
 
@@ -122,15 +132,31 @@ def check_perf(root: Path, files: list[Path]) -> list[Problem]:
                 problems.append(Problem(rel, m.line, f"figure {m.name!r} has no row in {RESULTS}"))
                 continue
             if m.value != row.result:
-                problems.append(Problem(rel, m.line, f"figure {m.name} is written {m.value!r} but "
-                                                     f"{RESULTS}:{row.line} records {row.result!r}"))
+                problems.append(
+                    Problem(
+                        rel,
+                        m.line,
+                        f"figure {m.name} is written {m.value!r} but {RESULTS}:{row.line} records {row.result!r}",
+                    )
+                )
             if f"`{row.command}`" not in _context(lines, m.line):
-                problems.append(Problem(rel, m.line, f"figure {m.name} must name its benchmark command "
-                                                     f"`{row.command}` on the same row or paragraph"))
+                problems.append(
+                    Problem(
+                        rel,
+                        m.line,
+                        f"figure {m.name} must name its benchmark command `{row.command}` on the same row or paragraph",
+                    )
+                )
         for n, line in prose_lines(text):
             for hit in _UNMARKED_PERF.finditer(strip_markers(line, "perf")):
-                problems.append(Problem(rel, n, f"performance figure {hit.group(0)!r} is not backed by {RESULTS}; "
-                                                f"write <!-- perf:ID -->VALUE<!-- /perf --> with its command"))
+                problems.append(
+                    Problem(
+                        rel,
+                        n,
+                        f"performance figure {hit.group(0)!r} is not backed by {RESULTS}; "
+                        f"write <!-- perf:ID -->VALUE<!-- /perf --> with its command",
+                    )
+                )
     return problems
 
 

@@ -65,7 +65,9 @@ def load(root: Path) -> tuple[list[Feature], list[Problem]]:
             problems.append(Problem(MANIFEST, line, "each feature must be a mapping"))
             continue
         for key in sorted(set(entry) - KEYS):
-            problems.append(Problem(MANIFEST, entry[key][0], f"unknown key {key!r}; allowed: {', '.join(sorted(KEYS))}"))
+            problems.append(
+                Problem(MANIFEST, entry[key][0], f"unknown key {key!r}; allowed: {', '.join(sorted(KEYS))}")
+            )
         values = {k: yaml.safe_load(yaml.serialize(v)) for k, (_, v) in entry.items()}
         f = Feature(
             line=line,
@@ -79,7 +81,9 @@ def load(root: Path) -> tuple[list[Feature], list[Problem]]:
         )
         tests_node = entry.get("tests", (0, None))[1]
         if isinstance(tests_node, yaml.SequenceNode):
-            f.lines.update({str(t.value): t.start_mark.line + 1 for t in tests_node.value if isinstance(t, yaml.ScalarNode)})
+            f.lines.update(
+                {str(t.value): t.start_mark.line + 1 for t in tests_node.value if isinstance(t, yaml.ScalarNode)}
+            )
         for key in ("id", "name", "status", "doc"):
             if not values.get(key):
                 problems.append(Problem(MANIFEST, line, f"feature {f.id or f.name or '?'}: `{key}` is required"))
@@ -89,9 +93,15 @@ def load(root: Path) -> tuple[list[Feature], list[Problem]]:
             problems.append(Problem(MANIFEST, f.at("id"), f"id {f.id!r} repeats line {seen[f.id]}"))
         seen.setdefault(f.id, f.line)
         if f.status and f.status not in STATUSES:
-            problems.append(Problem(MANIFEST, f.at("status"), f"feature {f.id}: status {f.status!r} is not one of {', '.join(STATUSES)}"))
+            problems.append(
+                Problem(
+                    MANIFEST, f.at("status"), f"feature {f.id}: status {f.status!r} is not one of {', '.join(STATUSES)}"
+                )
+            )
         if not isinstance(f.tests, list) or not all(isinstance(t, str) for t in f.tests):
-            problems.append(Problem(MANIFEST, f.at("tests"), f"feature {f.id}: `tests` must be a list of pytest node ids or files"))
+            problems.append(
+                Problem(MANIFEST, f.at("tests"), f"feature {f.id}: `tests` must be a list of pytest node ids or files")
+            )
             f.tests = []
         features.append(f)
     return features, problems
@@ -103,7 +113,9 @@ def _mapping(node: yaml.Node) -> dict[str, tuple[int, yaml.Node]] | None:
     return {str(k.value): (k.start_mark.line + 1, v) for k, v in node.value}
 
 
-def check_features(root: Path, features: list[Feature], cases: list[Case] | None, partial_run: bool = False) -> list[Problem]:
+def check_features(
+    root: Path, features: list[Feature], cases: list[Case] | None, partial_run: bool = False
+) -> list[Problem]:
     """Doc anchors, examples and tests of every feature; test outcomes when `cases` is given.
 
     `partial_run`: the JUnit report covers only part of the suite, so a test absent from it
@@ -111,7 +123,8 @@ def check_features(root: Path, features: list[Feature], cases: list[Case] | None
     """
     problems: list[Problem] = []
     for f in features:
-        def bad(key: str, msg: str) -> None:
+
+        def bad(key: str, msg: str, f: Feature = f) -> None:
             problems.append(Problem(MANIFEST, f.at(key), f"feature {f.id} ({f.status}): {msg}"))
 
         if f.doc:
@@ -134,7 +147,10 @@ def check_features(root: Path, features: list[Feature], cases: list[Case] | None
                 if result == "absent" and partial_run:
                     continue
                 if result != "passed":
-                    bad(test, f"test {test} {'did not run' if result == 'absent' else result} in this suite's JUnit report")
+                    bad(
+                        test,
+                        f"test {test} {'did not run' if result == 'absent' else result} in this suite's JUnit report",
+                    )
         if f.status == "working":
             if not f.example:
                 bad("example", "a working feature must name an example (a recipe or an examples/ folder)")
@@ -182,11 +198,19 @@ def check_tables(root: Path, features: list[Feature]) -> list[Problem]:
         have, want = text.splitlines(), with_table(text, features, for_docs).splitlines()
         diff = next((n for n, (a, b) in enumerate(zip(have, want), 1) if a != b), None)
         if diff is not None:
-            problems.append(Problem(rel, diff, f"feature table differs from {MANIFEST}: found {have[diff - 1]!r}, "
-                                               f"expected {want[diff - 1]!r}; {REGENERATE}"))
+            problems.append(
+                Problem(
+                    rel,
+                    diff,
+                    f"feature table differs from {MANIFEST}: found {have[diff - 1]!r}, "
+                    f"expected {want[diff - 1]!r}; {REGENERATE}",
+                )
+            )
         elif len(have) != len(want):
             n = min(len(have), len(want)) + 1
-            problems.append(Problem(rel, n, f"feature table differs from {MANIFEST} in its number of rows; {REGENERATE}"))
+            problems.append(
+                Problem(rel, n, f"feature table differs from {MANIFEST} in its number of rows; {REGENERATE}")
+            )
     return problems
 
 
@@ -201,6 +225,11 @@ def check_status_markers(root: Path, features: list[Feature], files: list[Path])
             if f is None:
                 problems.append(Problem(rel, m.line, f"status of unknown feature {m.name!r}: not in {MANIFEST}"))
             elif m.value != f.status:
-                problems.append(Problem(rel, m.line, f"says feature {m.name} is {m.value!r} but "
-                                                     f"{MANIFEST}:{f.at('status')} says {f.status!r}"))
+                problems.append(
+                    Problem(
+                        rel,
+                        m.line,
+                        f"says feature {m.name} is {m.value!r} but {MANIFEST}:{f.at('status')} says {f.status!r}",
+                    )
+                )
     return problems

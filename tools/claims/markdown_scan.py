@@ -18,7 +18,15 @@ import markdown
 from markdown_it import MarkdownIt
 
 # The extensions that change which ids a page has; mkdocs.yml enables the same ones.
-ANCHOR_EXTENSIONS = ["toc", "attr_list", "md_in_html", "tables", "admonition", "pymdownx.superfences", "pymdownx.details"]
+ANCHOR_EXTENSIONS = [
+    "toc",
+    "attr_list",
+    "md_in_html",
+    "tables",
+    "admonition",
+    "pymdownx.superfences",
+    "pymdownx.details",
+]
 
 _HREF = re.compile(r"""\bhref\s*=\s*["']([^"']+)["']""")
 _ID = re.compile(r"""\bid\s*=\s*["']([^"']+)["']""")

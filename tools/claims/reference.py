@@ -57,9 +57,13 @@ def collect_help() -> dict[str, str]:
     """{"": top-level usage, command: its --help text}."""
     env = {**os.environ, "COLUMNS": "100", "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     try:
-        proc = subprocess.run([sys.executable, "-c", _CHILD], capture_output=True, text=True, env=env, timeout=HELP_TIMEOUT_S)
+        proc = subprocess.run(
+            [sys.executable, "-c", _CHILD], capture_output=True, text=True, env=env, timeout=HELP_TIMEOUT_S
+        )
     except subprocess.TimeoutExpired as e:
-        raise ReferenceError(f"collecting `furlong COMMAND --help` took over {HELP_TIMEOUT_S} s: a command ignores --help?") from e
+        raise ReferenceError(
+            f"collecting `furlong COMMAND --help` took over {HELP_TIMEOUT_S} s: a command ignores --help?"
+        ) from e
     if proc.returncode != 0:
         raise ReferenceError(f"collecting CLI help failed:\n{proc.stderr[-2000:]}")
     raw = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -72,10 +76,19 @@ def collect_help() -> dict[str, str]:
 def cli_page(helps: dict[str, str]) -> str:
     from furlong.cli import COMMANDS
 
-    lines = [GENERATED, "", "# CLI reference", "",
-             "Every sub-command of `furlong`, with the help it prints. Sub-commands whose module is",
-             "not built yet are listed at the end as planned.", "",
-             "```text", helps[""].rstrip(), "```", ""]
+    lines = [
+        GENERATED,
+        "",
+        "# CLI reference",
+        "",
+        "Every sub-command of `furlong`, with the help it prints. Sub-commands whose module is",
+        "not built yet are listed at the end as planned.",
+        "",
+        "```text",
+        helps[""].rstrip(),
+        "```",
+        "",
+    ]
     for name in helps:
         if name:
             lines += [f"## furlong {name}", "", COMMANDS[name][1], "", "```text", helps[name].rstrip(), "```", ""]
@@ -87,6 +100,7 @@ def cli_page(helps: dict[str, str]) -> str:
 
 
 # ---- config -------------------------------------------------------------------------------
+
 
 def _is_model(t: object) -> bool:
     from pydantic import BaseModel
@@ -160,9 +174,13 @@ def _section(prefix: str, model: type, out: list[str], level: int) -> None:
         if _is_model(field.annotation):
             nested.append((f"{prefix}.{name}", field.annotation))
             anchor = f"{prefix}.{name}".replace(".", "")  # how the toc slugifies the `a.b` heading
-            rows.append(f"| `{name}` | [{field.annotation.__name__}](#{anchor}) | (section) | {_describe(field, name, comments)} |")
+            rows.append(
+                f"| `{name}` | [{field.annotation.__name__}](#{anchor}) | (section) | {_describe(field, name, comments)} |"
+            )
         else:
-            rows.append(f"| `{name}` | `{_type_name(field.annotation)}`{_bounds(field)} | {_default(field)} | {_describe(field, name, comments)} |")
+            rows.append(
+                f"| `{name}` | `{_type_name(field.annotation)}`{_bounds(field)} | {_default(field)} | {_describe(field, name, comments)} |"
+            )
     out += rows + [""]
     for sub_prefix, sub in nested:
         _section(sub_prefix, sub, out, min(level + 1, 4))
@@ -175,15 +193,23 @@ def _first_line(doc: str | None) -> str:
 def config_page() -> str:
     head = [GENERATED, "", "# Config reference", ""]
     if importlib.util.find_spec("furlong.config") is None or importlib.util.find_spec("furlong.config.schema") is None:
-        return "\n".join(head + [
-            "!!! note \"Planned\"",
-            "    The typed config (`furlong.config.schema.Config`) is not built yet. This page will list",
-            "    every section (model, data, rollout, engine, router, train, algo, weights, cluster,",
-            "    observe, envs) and every field with its type, default and meaning, generated from the",
-            "    schema so it can never disagree with it.", ""])
+        return "\n".join(
+            head
+            + [
+                '!!! note "Planned"',
+                "    The typed config (`furlong.config.schema.Config`) is not built yet. This page will list",
+                "    every section (model, data, rollout, engine, router, train, algo, weights, cluster,",
+                "    observe, envs) and every field with its type, default and meaning, generated from the",
+                "    schema so it can never disagree with it.",
+                "",
+            ]
+        )
     config = importlib.import_module("furlong.config.schema").Config
-    out = head + ["Every field of a run's config, generated from `furlong.config.schema.Config`. Set any of",
-                  "them in a recipe or on the command line as `section.field=value`.", ""]
+    out = head + [
+        "Every field of a run's config, generated from `furlong.config.schema.Config`. Set any of",
+        "them in a recipe or on the command line as `section.field=value`.",
+        "",
+    ]
     for name, field in config.model_fields.items():
         if _is_model(field.annotation):
             about = _cell(field.description or _first_line(field.annotation.__doc__))
@@ -193,7 +219,10 @@ def config_page() -> str:
     comments = _comments(config)
     if plain:
         out += ["## top level", "", "| field | type | default | description |", "|---|---|---|---|"]
-        out += [f"| `{n}` | `{_type_name(f.annotation)}`{_bounds(f)} | {_default(f)} | {_describe(f, n, comments)} |" for n, f in plain]
+        out += [
+            f"| `{n}` | `{_type_name(f.annotation)}`{_bounds(f)} | {_default(f)} | {_describe(f, n, comments)} |"
+            for n, f in plain
+        ]
         out += [""]
     for name, field in config.model_fields.items():
         if _is_model(field.annotation):

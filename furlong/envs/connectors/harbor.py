@@ -67,9 +67,20 @@ TERMINUS_DEFAULTS = {"record_terminal_session": False, "enable_summarize": False
 # Harbor reports a failed model call by the client's exception; such a trial says nothing about the
 # policy, so it is an error (the rollout retries the sample), never a reward. A context-length error
 # is the session's token budget running out: the episode ends and the verifier's reward stands.
-MODEL_ERRORS = {"APIConnectionError", "APIError", "BadRequestError", "InternalServerError", "NotFoundError",
-                "ServiceUnavailableError", "Timeout", "APITimeoutError", "RateLimitError", "AuthenticationError",
-                "UnprocessableEntityError", "PermissionDeniedError"}
+MODEL_ERRORS = {
+    "APIConnectionError",
+    "APIError",
+    "BadRequestError",
+    "InternalServerError",
+    "NotFoundError",
+    "ServiceUnavailableError",
+    "Timeout",
+    "APITimeoutError",
+    "RateLimitError",
+    "AuthenticationError",
+    "UnprocessableEntityError",
+    "PermissionDeniedError",
+}
 
 
 class HarborError(RuntimeError):
@@ -107,8 +118,9 @@ def find_tasks(spec: Any, where: str = f"{FIELD}.tasks") -> tuple[Path, ...]:
             continue
         inner = sorted(p for p in path.iterdir() if p.is_dir() and is_task(p))
         if not inner:
-            raise ValueError(f"{where}: {item}: not a Harbor task directory (it needs instruction.md and "
-                             f"task.toml) and holds none")
+            raise ValueError(
+                f"{where}: {item}: not a Harbor task directory (it needs instruction.md and task.toml) and holds none"
+            )
         found += inner
     names = [p.name for p in found]
     dupes = sorted({n for n in names if names.count(n) > 1})
@@ -141,9 +153,16 @@ def options(envs: Any) -> Options:
     trials_dir = raw.get("trials_dir")
     if trials_dir is not None and not isinstance(trials_dir, str):
         raise ValueError(f"{FIELD}.trials_dir: must be a directory path, got {trials_dir!r}")
-    return Options(tasks=tasks, agent=raw.get("agent", "terminus-2"), agent_kwargs=dict(raw.get("agent_kwargs") or {}),
-                   model=raw.get("model", "openai/furlong"), environment=raw.get("environment", "furlong-local"),
-                   trials_dir=trials_dir, keep_trials=bool(raw.get("keep_trials", False)), timeout_s=float(timeout))
+    return Options(
+        tasks=tasks,
+        agent=raw.get("agent", "terminus-2"),
+        agent_kwargs=dict(raw.get("agent_kwargs") or {}),
+        model=raw.get("model", "openai/furlong"),
+        environment=raw.get("environment", "furlong-local"),
+        trials_dir=trials_dir,
+        keep_trials=bool(raw.get("keep_trials", False)),
+        timeout_s=float(timeout),
+    )
 
 
 # ---------------------------------------------------------------- tasks -> prompts
@@ -151,8 +170,15 @@ def prompts(opts: Options) -> list[Any]:
     """Each task's instruction as a furlong `Prompt` (a user message), naming its task in metadata."""
     from furlong.data.datasets import Prompt
 
-    return [Prompt(index=i, prompt=[{"role": "user", "content": (t / "instruction.md").read_text().strip()}],
-                   label=t.name, metadata={"harbor_task": str(t)}) for i, t in enumerate(opts.tasks)]
+    return [
+        Prompt(
+            index=i,
+            prompt=[{"role": "user", "content": (t / "instruction.md").read_text().strip()}],
+            label=t.name,
+            metadata={"harbor_task": str(t)},
+        )
+        for i, t in enumerate(opts.tasks)
+    ]
 
 
 def data_source(config: Any = None, seed: int = 0) -> Any:
@@ -170,16 +196,20 @@ def task_of(sample: Any, opts: Options) -> Path:
     if ref is None:
         if len(opts.tasks) == 1:
             return opts.tasks[0]
-        raise ValueError(f"sample {getattr(sample, 'index', '?')}: metadata has no 'harbor_task' and {FIELD}.tasks "
-                         f"holds {len(opts.tasks)} tasks; take prompts from rollout.data_source: "
-                         f"furlong.envs.connectors.harbor:data_source, or a data file with a harbor_task field")
+        raise ValueError(
+            f"sample {getattr(sample, 'index', '?')}: metadata has no 'harbor_task' and {FIELD}.tasks "
+            f"holds {len(opts.tasks)} tasks; take prompts from rollout.data_source: "
+            f"furlong.envs.connectors.harbor:data_source, or a data file with a harbor_task field"
+        )
     if str(ref) in by_name:
         return by_name[str(ref)]
     path = Path(str(ref)).expanduser()
     if path.is_dir() and is_task(path):
         return path.resolve()
-    raise ValueError(f"sample metadata harbor_task={ref!r}: neither a Harbor task directory nor a task of "
-                     f"{FIELD}.tasks (known: {sorted(by_name)})")
+    raise ValueError(
+        f"sample metadata harbor_task={ref!r}: neither a Harbor task directory nor a task of "
+        f"{FIELD}.tasks (known: {sorted(by_name)})"
+    )
 
 
 # ---------------------------------------------------------------- the agent
@@ -187,15 +217,22 @@ async def run_trial(request: dict[str, Any], timeout_s: float) -> dict[str, Any]
     """One driver process for one trial; on timeout or cancellation it is asked to stop (its trial cleans up)."""
     python = await asyncio.to_thread(ensure, SPEC, quiet=True)
     proc = await asyncio.create_subprocess_exec(
-        str(python), str(DRIVERS / f"{DRIVER}.py"), stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE, env=driver_env(SPEC), start_new_session=True)
+        str(python),
+        str(DRIVERS / f"{DRIVER}.py"),
+        stdin=asyncio.subprocess.PIPE,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+        env=driver_env(SPEC),
+        start_new_session=True,
+    )
     try:
         out, err = await asyncio.wait_for(proc.communicate(json.dumps(request).encode()), timeout_s)
     except BaseException as e:
         await _stop(proc)
         if isinstance(e, (TimeoutError, asyncio.TimeoutError)):
-            raise HarborError(f"task {Path(request['task_dir']).name}: no result within {timeout_s:.0f} s "
-                              f"({FIELD}.timeout_s)") from None
+            raise HarborError(
+                f"task {Path(request['task_dir']).name}: no result within {timeout_s:.0f} s ({FIELD}.timeout_s)"
+            ) from None
         raise
     lines = [ln for ln in out.decode(errors="replace").splitlines() if ln.strip()]
     try:
@@ -203,8 +240,9 @@ async def run_trial(request: dict[str, Any], timeout_s: float) -> dict[str, Any]
     except json.JSONDecodeError:
         reply = None
     if proc.returncode != 0 or not isinstance(reply, dict):
-        raise VenvError(f"harbor driver failed (exit {proc.returncode}); stderr tail:\n"
-                        f"{err.decode(errors='replace')[-3000:]}")
+        raise VenvError(
+            f"harbor driver failed (exit {proc.returncode}); stderr tail:\n{err.decode(errors='replace')[-3000:]}"
+        )
     if "error" in reply:
         raise HarborError(f"task {Path(request['task_dir']).name}: {reply['error']}")
     return reply
@@ -217,7 +255,7 @@ async def _stop(proc: asyncio.subprocess.Process) -> None:
     try:
         os.kill(proc.pid, signal.SIGTERM)
         await asyncio.wait_for(asyncio.shield(proc.wait()), 15)
-    except (ProcessLookupError, TimeoutError, asyncio.TimeoutError):
+    except (ProcessLookupError, TimeoutError):
         try:
             os.killpg(proc.pid, signal.SIGKILL)
         except ProcessLookupError:
@@ -246,21 +284,36 @@ async def agent(sample: Any, base_url: str, envs: Any = None) -> float | dict[st
     root = Path(opts.trials_dir).expanduser() if opts.trials_dir else Path(tempfile.gettempdir()) / "furlong-harbor"
     root.mkdir(parents=True, exist_ok=True)
     trials_dir = Path(tempfile.mkdtemp(prefix=f"{task.name}-", dir=root))
-    request = {"task_dir": str(task), "base_url": base_url, "model": opts.model, "agent": opts.agent,
-               "agent_kwargs": kwargs, "environment": opts.environment, "trials_dir": str(trials_dir)}
+    request = {
+        "task_dir": str(task),
+        "base_url": base_url,
+        "model": opts.model,
+        "agent": opts.agent,
+        "agent_kwargs": kwargs,
+        "environment": opts.environment,
+        "trials_dir": str(trials_dir),
+    }
     try:
         reply = await run_trial(request, opts.timeout_s)
     finally:
         if not opts.keep_trials:
             shutil.rmtree(trials_dir, ignore_errors=True)
     exc = reply.get("exception") or {}
-    sample.metadata["harbor"] = {"task": task.name, "trial": reply["trial_name"], "agent": reply["agent"],
-                                 "ended_by": exc.get("type"), "seconds": reply["seconds"],
-                                 **({"trial_dir": reply["trial_dir"]} if opts.keep_trials else {})}
+    sample.metadata["harbor"] = {
+        "task": task.name,
+        "trial": reply["trial_name"],
+        "agent": reply["agent"],
+        "ended_by": exc.get("type"),
+        "seconds": reply["seconds"],
+        **({"trial_dir": reply["trial_dir"]} if opts.keep_trials else {}),
+    }
     if exc.get("type") in MODEL_ERRORS:
-        raise HarborError(f"task {task.name}: the agent's model call failed: "
-                          f"{exc['type']}: {exc.get('message', '')[-500:]}")
+        raise HarborError(
+            f"task {task.name}: the agent's model call failed: {exc['type']}: {exc.get('message', '')[-500:]}"
+        )
     if not reply.get("rewards"):
-        raise HarborError(f"task {task.name}: the verifier gave no reward"
-                          + (f" ({exc['type']}: {exc.get('message', '')[-500:]})" if exc else ""))
+        raise HarborError(
+            f"task {task.name}: the verifier gave no reward"
+            + (f" ({exc['type']}: {exc.get('message', '')[-500:]})" if exc else "")
+        )
     return as_reward(reply["rewards"])

@@ -52,7 +52,8 @@ from furlong.envs.connectors.venvs import DRIVERS, VenvSpec, driver_env, ensure,
 from furlong.envs.session_server import SESSION_METADATA
 
 SPEC = VenvSpec(
-    name="nemo-gym", python="3.12",
+    name="nemo-gym",
+    python="3.12",
     requirements=("nemo-gym==0.4.0", "math-verify==0.8.0"),  # math-verify: the math_with_judge verifier's own pin
     doc="NeMo Gym resources servers, agents and its vllm_model server, driven over HTTP",
 )
@@ -120,15 +121,27 @@ class Servers:
 
         self.workdir = Path(tempfile.mkdtemp(prefix="furlong-nemo-gym-"))
         port = free_port()
-        request = {"config_paths": list(opts.config_paths), "overrides": opts.overrides, "head_port": port,
-                   "policy_base_url": f"{sessions_root}/v1", "policy_model_name": opts.model}
+        request = {
+            "config_paths": list(opts.config_paths),
+            "overrides": opts.overrides,
+            "head_port": port,
+            "policy_base_url": f"{sessions_root}/v1",
+            "policy_model_name": opts.model,
+        }
         argv = [str(ensure(SPEC)), str(DRIVERS / "nemo_gym_serve.py"), json.dumps(request)]
-        self.process = ManagedProcess("NeMo Gym servers", argv, f"http://127.0.0.1:{port}",
-                                      self.workdir / "servers.log")
+        self.process = ManagedProcess(
+            "NeMo Gym servers", argv, f"http://127.0.0.1:{port}", self.workdir / "servers.log"
+        )
         with open(self.process.log_path, "ab") as log:  # ManagedProcess's start, with the venv's environment
-            self.process.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, cwd=self.workdir,
-                                                 env=driver_env(SPEC), start_new_session=True,
-                                                 preexec_fn=_die_with_parent)
+            self.process.proc = subprocess.Popen(
+                argv,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                cwd=self.workdir,
+                env=driver_env(SPEC),
+                start_new_session=True,
+                preexec_fn=_die_with_parent,
+            )
         self.process.wait_healthy(opts.startup_timeout_s)
         self.servers = httpx.get(f"{self.process.url}/health", timeout=10).json()["servers"]
         self.config_paths = list(opts.config_paths)
@@ -138,8 +151,10 @@ class Servers:
         agents = [s for s in self.servers if s["type"] == "responses_api_agents"]
         chosen = [s for s in agents if name in (None, s["name"])]
         if len(chosen) != 1:
-            raise ValueError(f"envs.connector.agent: {name!r} picks {len(chosen)} of the agent servers "
-                             f"{[s['name'] for s in agents]} in {self.config_paths}; name one")
+            raise ValueError(
+                f"envs.connector.agent: {name!r} picks {len(chosen)} of the agent servers "
+                f"{[s['name'] for s in agents]} in {self.config_paths}; name one"
+            )
         return chosen[0]
 
     def stop(self) -> None:
@@ -195,9 +210,12 @@ def task_row(sample: Any) -> dict[str, Any]:
         messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
         users = [_text(m.get("content")) for m in messages if m.get("role") == "user"]
         question = sample.metadata.get("question") or (users[-1] if users else "")
-        row = {"responses_create_params": {"input": [{"role": m["role"], "content": _text(m.get("content"))}
-                                                     for m in messages]},
-               "question": str(question)}
+        row = {
+            "responses_create_params": {
+                "input": [{"role": m["role"], "content": _text(m.get("content"))} for m in messages]
+            },
+            "question": str(question),
+        }
         if sample.label is not None:
             row["expected_answer"] = str(sample.label)
     if not isinstance(row.get("responses_create_params"), dict) or not row["responses_create_params"].get("input"):
@@ -221,8 +239,10 @@ async def run_episode(row: dict[str, Any], base_url: str, envs: Any = None) -> d
     async with httpx.AsyncClient(timeout=httpx.Timeout(opts.timeout_s, connect=10.0)) as http:
         resp = await http.post(f"{agent_server['url']}/run", json=body)
     if resp.status_code != 200:
-        raise RuntimeError(f"NeMo Gym agent {agent_server['name']} POST /run: HTTP {resp.status_code}: "
-                           f"{resp.text[:1000]} (server logs: {up.workdir / 'logs'})")
+        raise RuntimeError(
+            f"NeMo Gym agent {agent_server['name']} POST /run: HTTP {resp.status_code}: "
+            f"{resp.text[:1000]} (server logs: {up.workdir / 'logs'})"
+        )
     out = resp.json()
     if not isinstance(out, dict) or "reward" not in out:
         raise RuntimeError(f"NeMo Gym agent {agent_server['name']} POST /run: no reward in {str(out)[:500]}")
@@ -232,9 +252,11 @@ async def run_episode(row: dict[str, Any], base_url: str, envs: Any = None) -> d
 async def agent(sample: Any, base_url: str, envs: Any = None) -> float:
     """`rollout.agent_fn`: one NeMo Gym episode for `sample`; returns the reward NeMo Gym's verifier gave."""
     out = await run_episode(task_row(sample), base_url, envs)
-    sample.metadata["nemo_gym_verify"] = {k: v for k, v in out.items()
-                                          if k not in ("responses_create_params", "response")
-                                          and isinstance(v, (str, int, float, bool, type(None)))}
+    sample.metadata["nemo_gym_verify"] = {
+        k: v
+        for k, v in out.items()
+        if k not in ("responses_create_params", "response") and isinstance(v, (str, int, float, bool, type(None)))
+    }
     return float(out["reward"])
 
 
@@ -242,8 +264,12 @@ async def agent(sample: Any, base_url: str, envs: Any = None) -> float:
 def rows(envs: Any = None) -> list[dict[str, Any]]:
     """The task rows of the configured agent's dataset `envs.connector.dataset` (read by NeMo Gym's config)."""
     opts = options(envs)
-    request = {"config_paths": list(opts.config_paths), "overrides": opts.overrides, "agent": opts.agent,
-               "dataset": opts.dataset}
+    request = {
+        "config_paths": list(opts.config_paths),
+        "overrides": opts.overrides,
+        "agent": opts.agent,
+        "dataset": opts.dataset,
+    }
     return run_driver(SPEC, "nemo_gym_tasks", request, timeout_s=opts.startup_timeout_s)["rows"]
 
 
@@ -254,8 +280,10 @@ def data_source(config: Any = None, seed: int = 0) -> Any:
     prompts = []
     for i, row in enumerate(rows(getattr(config, "envs", config))):
         given = row["responses_create_params"]["input"]
-        messages = [{"role": m.get("role", "user"), "content": _text(m.get("content"))}
-                    for m in ([{"role": "user", "content": given}] if isinstance(given, str) else given)]
+        messages = [
+            {"role": m.get("role", "user"), "content": _text(m.get("content"))}
+            for m in ([{"role": "user", "content": given}] if isinstance(given, str) else given)
+        ]
         meta = {"nemo_gym": row, **({"question": row["question"]} if isinstance(row.get("question"), str) else {})}
         prompts.append(Prompt(index=i, prompt=messages, label=row.get("expected_answer"), metadata=meta))
     return DataSource(prompts, seed=seed)

@@ -54,10 +54,13 @@ import uuid
 from collections import OrderedDict
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from furlong.envs.connectors.venvs import DRIVERS, VenvSpec, driver_env, ensure
 from furlong.core.sample import Sample
+from furlong.envs.connectors.venvs import DRIVERS, VenvSpec, driver_env, ensure
+
+if TYPE_CHECKING:
+    from furlong.config.schema import EnvsConfig
 
 SPEC = VenvSpec(
     name="openenv",
@@ -90,7 +93,7 @@ class Options:
     start_timeout_s: float = 120.0
 
     @classmethod
-    def parse(cls, connector: dict[str, Any] | None) -> "Options":
+    def parse(cls, connector: dict[str, Any] | None) -> Options:
         raw = dict(connector or {})
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(raw) - known)
@@ -104,8 +107,10 @@ class Options:
             if getattr(opts, key) not in allowed:
                 raise ValueError(f"envs.connector.{key}={getattr(opts, key)!r}: must be one of {list(allowed)}")
         if opts.url is None and not (opts.env == "echo" or Path(opts.env).is_dir() or _APP.match(opts.env)):
-            raise ValueError(f"envs.connector.env={opts.env!r}: not 'echo', an OpenEnv environment directory, "
-                             f"or MODULE:APP importable in the openenv environment")
+            raise ValueError(
+                f"envs.connector.env={opts.env!r}: not 'echo', an OpenEnv environment directory, "
+                f"or MODULE:APP importable in the openenv environment"
+            )
         if int(opts.max_sessions) < 1:
             raise ValueError(f"envs.connector.max_sessions={opts.max_sessions}: must be >= 1")
         return opts
@@ -136,8 +141,18 @@ def server_url(opts: Options) -> str:
         python = ensure(SPEC)
         work = Path(tempfile.mkdtemp(prefix="furlong-openenv-"))
         port = free_port()
-        argv = _env_argv() + [str(python), str(DRIVERS / "openenv_server.py"), "--env", env, "--port", str(port),
-                              "--workdir", str(work), "--max-sessions", str(opts.max_sessions)]
+        argv = _env_argv() + [
+            str(python),
+            str(DRIVERS / "openenv_server.py"),
+            "--env",
+            env,
+            "--port",
+            str(port),
+            "--workdir",
+            str(work),
+            "--max-sessions",
+            str(opts.max_sessions),
+        ]
         proc = ManagedProcess(f"openenv server ({env})", argv, f"http://127.0.0.1:{port}", work / "server.log")
         try:
             proc.start(opts.start_timeout_s)
@@ -152,8 +167,11 @@ def server_url(opts: Options) -> str:
 def _env_argv() -> list[str]:
     """`env` arguments that turn this process's environment into the openenv environment's (`venvs.driver_env`)."""
     want = driver_env(SPEC)
-    return (["env"] + [f"--unset={k}" for k in os.environ if k not in want]
-            + [f"{k}={v}" for k, v in want.items() if os.environ.get(k) != v])
+    return (
+        ["env"]
+        + [f"--unset={k}" for k in os.environ if k not in want]
+        + [f"{k}={v}" for k, v in want.items() if os.environ.get(k) != v]
+    )
 
 
 def _stop(proc: Any, work: Path) -> None:
@@ -180,16 +198,28 @@ class OpenEnvEnvironment:
         self.opts, self.url, self.seed, self.timeout_s = opts, url, int(seed), timeout_s
 
     async def reset(self, sample: Sample) -> list[dict[str, Any]]:
-        state = sample.metadata["openenv"] = {"episode": uuid.uuid4().hex, "seed": self.seed, "actions": [],
-                                              "rewards": [], "done": False, "errors": 0}
+        state = sample.metadata["openenv"] = {
+            "episode": uuid.uuid4().hex,
+            "seed": self.seed,
+            "actions": [],
+            "rewards": [],
+            "done": False,
+            "errors": 0,
+        }
         first = await self._open(state)
         return [self._message(first)] if self.opts.reset_message else []
 
     async def step(self, sample: Sample, action: str) -> tuple[list[dict[str, Any]], bool]:
         state = sample.metadata.get("openenv")
         if state is None:  # reset skipped (its messages were already in the prompt): start the episode now
-            state = sample.metadata["openenv"] = {"episode": uuid.uuid4().hex, "seed": self.seed, "actions": [],
-                                                  "rewards": [], "done": False, "errors": 0}
+            state = sample.metadata["openenv"] = {
+                "episode": uuid.uuid4().hex,
+                "seed": self.seed,
+                "actions": [],
+                "rewards": [],
+                "done": False,
+                "errors": 0,
+            }
         turns = [m["content"] for m in sample.metadata.get("messages", []) if m.get("role") == "assistant"]
         text = turns[-1] if turns else str(sample.metadata.get("response_text", ""))
         ws = self._socket(state)
@@ -272,12 +302,14 @@ class OpenEnvEnvironment:
         await ws.send_str(json.dumps(message))
         try:
             msg = await ws.receive(timeout=self.timeout_s)
-        except asyncio.TimeoutError:
-            raise OpenEnvError(f"openenv: no reply to {message['type']} within {self.timeout_s:.0f} s "
-                               f"(envs.timeout_s) from {self.url}") from None
+        except TimeoutError:
+            raise OpenEnvError(
+                f"openenv: no reply to {message['type']} within {self.timeout_s:.0f} s (envs.timeout_s) from {self.url}"
+            ) from None
         if msg.type != aiohttp.WSMsgType.TEXT:
-            raise OpenEnvError(f"openenv: the connection to {self.url}/ws closed during {message['type']} "
-                               f"({msg.type.name})")
+            raise OpenEnvError(
+                f"openenv: the connection to {self.url}/ws closed during {message['type']} ({msg.type.name})"
+            )
         return json.loads(msg.data)
 
     def _socket(self, state: dict[str, Any]) -> Any:
@@ -295,8 +327,9 @@ class OpenEnvEnvironment:
             content = str(obs["error"])
         elif field is not None:
             if field not in obs:
-                raise OpenEnvError(f"envs.connector.observation_field={field!r}: "
-                                   f"the observation has only {sorted(obs)}")
+                raise OpenEnvError(
+                    f"envs.connector.observation_field={field!r}: the observation has only {sorted(obs)}"
+                )
             content = str(obs[field])
         else:
             obs.pop("metadata", None)
@@ -307,8 +340,11 @@ class OpenEnvEnvironment:
 def _error_text(reply: dict[str, Any]) -> str:
     """OpenEnv's error reply as one line: its message, then each validation error's field and reason."""
     data = reply.get("data") or {}
-    details = "; ".join(f"{'.'.join(map(str, e.get('loc', ())))}: {e.get('msg')}" for e in data.get("errors") or []
-                        if isinstance(e, dict))
+    details = "; ".join(
+        f"{'.'.join(map(str, e.get('loc', ())))}: {e.get('msg')}"
+        for e in data.get("errors") or []
+        if isinstance(e, dict)
+    )
     return str(data.get("message", reply)) + (f": {details}" if details else "")
 
 
@@ -326,7 +362,7 @@ async def _close(episode: str) -> None:
         await session.close()
 
 
-def environment(config: Any = None, seed: int = 0) -> OpenEnvEnvironment:
+def environment(config: EnvsConfig | None = None, seed: int = 0) -> OpenEnvEnvironment:
     """The `envs.name: openenv` factory: options from `envs.connector`; starts this process's server on first use."""
     opts = Options.parse(getattr(config, "connector", None))
     timeout_s = max(float(getattr(config, "timeout_s", 10.0) or 10.0), 1.0)
@@ -334,8 +370,24 @@ def environment(config: Any = None, seed: int = 0) -> OpenEnvEnvironment:
 
 
 # ---------------------------------------------------------------- prompts
-TOPICS = ["the weather", "your favourite number", "a colour", "a river", "breakfast", "the moon", "a song",
-          "a city", "a tree", "the sea", "a book", "a game", "a bird", "the wind", "a mountain", "a clock"]
+TOPICS = [
+    "the weather",
+    "your favourite number",
+    "a colour",
+    "a river",
+    "breakfast",
+    "the moon",
+    "a song",
+    "a city",
+    "a tree",
+    "the sea",
+    "a book",
+    "a game",
+    "a bird",
+    "the wind",
+    "a mountain",
+    "a clock",
+]
 
 
 def make_prompts(n: int, seed: int = 0) -> list[Any]:

@@ -81,19 +81,33 @@ def find_python(version: str) -> str:
         return sys.executable
     found = shutil.which(f"python{version}")
     candidates = ([found] if found else []) + sorted(
-        glob.glob(str(Path(os.environ.get("PYENV_ROOT", Path.home() / ".pyenv")) / "versions" / f"{version}.*"
-                      / "bin" / "python")),
-        reverse=True)
+        glob.glob(
+            str(
+                Path(os.environ.get("PYENV_ROOT", Path.home() / ".pyenv"))
+                / "versions"
+                / f"{version}.*"
+                / "bin"
+                / "python"
+            )
+        ),
+        reverse=True,
+    )
     for exe in candidates:
         try:
-            out = subprocess.run([exe, "-c", "import sys; print('%d.%d' % sys.version_info[:2])"],
-                                 capture_output=True, text=True, timeout=30)
+            out = subprocess.run(
+                [exe, "-c", "import sys; print('%d.%d' % sys.version_info[:2])"],
+                capture_output=True,
+                text=True,
+                timeout=30,
+            )
         except (OSError, subprocess.TimeoutExpired):
             continue
         if out.returncode == 0 and out.stdout.strip() == version:
             return exe
-    raise VenvError(f"no Python {version} interpreter found (looked for python{version} on PATH and in pyenv); "
-                    f"install one, e.g. `pyenv install {version}`")
+    raise VenvError(
+        f"no Python {version} interpreter found (looked for python{version} on PATH and in pyenv); "
+        f"install one, e.g. `pyenv install {version}`"
+    )
 
 
 def _run(argv: list[str], what: str, log: Path, env: dict[str, str] | None = None) -> None:
@@ -119,19 +133,36 @@ def ensure(spec: VenvSpec, *, force: bool = False, quiet: bool = False) -> Path:
         log.write_text("")
         start = time.monotonic()
         if not quiet:
-            print(f"furlong envs: building the {spec.name} environment (Python {spec.python}) in {root} ...",
-                  file=sys.stderr, flush=True)
+            print(
+                f"furlong envs: building the {spec.name} environment (Python {spec.python}) in {root} ...",
+                file=sys.stderr,
+                flush=True,
+            )
         _run([find_python(spec.python), "-m", "venv", str(root)], f"creating the {spec.name} venv", log)
         constraints = root / "constraints.txt"
         constraints.write_text(TORCH_PIN)
         env = {**os.environ, "PIP_DISABLE_PIP_VERSION_CHECK": "1"}
-        _run([str(root / "bin" / "python"), "-m", "pip", "install", "-q", "-c", str(constraints), *spec.requirements],
-             f"installing {spec.name} ({', '.join(spec.requirements)})", log, env=env)
-        freeze = subprocess.run([str(root / "bin" / "python"), "-m", "pip", "freeze"], capture_output=True,
-                                text=True).stdout
-        (root / STAMP).write_text(json.dumps({"name": spec.name, "python": spec.python,
-                                              "requirements": list(spec.requirements), "freeze": freeze.split(),
-                                              "built_s": round(time.monotonic() - start, 1)}, indent=1))
+        _run(
+            [str(root / "bin" / "python"), "-m", "pip", "install", "-q", "-c", str(constraints), *spec.requirements],
+            f"installing {spec.name} ({', '.join(spec.requirements)})",
+            log,
+            env=env,
+        )
+        freeze = subprocess.run(
+            [str(root / "bin" / "python"), "-m", "pip", "freeze"], capture_output=True, text=True
+        ).stdout
+        (root / STAMP).write_text(
+            json.dumps(
+                {
+                    "name": spec.name,
+                    "python": spec.python,
+                    "requirements": list(spec.requirements),
+                    "freeze": freeze.split(),
+                    "built_s": round(time.monotonic() - start, 1),
+                },
+                indent=1,
+            )
+        )
         if not quiet:
             print(f"furlong envs: {spec.name} ready in {time.monotonic() - start:.0f} s", file=sys.stderr, flush=True)
         return venv_python(spec)
@@ -141,14 +172,29 @@ def driver_env(spec: VenvSpec, extra: dict[str, str] | None = None) -> dict[str,
     """The environment a connector's processes run with: this one minus furlong's venv, plus the spec's settings."""
     env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTHONPATH", "PYTHONHOME")}
     bin_dir = str(venv_dir(spec) / "bin")
-    env["PATH"] = os.pathsep.join([bin_dir, *(p for p in env.get("PATH", "").split(os.pathsep)
-                                              if p and Path(p).resolve() != Path(sys.prefix, "bin").resolve())])
+    env["PATH"] = os.pathsep.join(
+        [
+            bin_dir,
+            *(
+                p
+                for p in env.get("PATH", "").split(os.pathsep)
+                if p and Path(p).resolve() != Path(sys.prefix, "bin").resolve()
+            ),
+        ]
+    )
     env["VIRTUAL_ENV"] = str(venv_dir(spec))
     return {**env, **spec.env, **(extra or {})}
 
 
-def run_driver(spec: VenvSpec, driver: str, request: dict[str, Any], *, timeout_s: float = 300.0,
-               env: dict[str, str] | None = None, cwd: str | Path | None = None) -> dict[str, Any]:
+def run_driver(
+    spec: VenvSpec,
+    driver: str,
+    request: dict[str, Any],
+    *,
+    timeout_s: float = 300.0,
+    env: dict[str, str] | None = None,
+    cwd: str | Path | None = None,
+) -> dict[str, Any]:
     """Run `drivers/<driver>.py` in the spec's environment with `request` on stdin; returns its JSON reply.
 
     The reply is the last line the driver prints to stdout.
@@ -161,19 +207,29 @@ def run_driver(spec: VenvSpec, driver: str, request: dict[str, Any], *, timeout_
         raise VenvError(f"no driver {script}")
     python = ensure(spec, quiet=True)
     try:
-        proc = subprocess.run([str(python), str(script)], input=json.dumps(request), capture_output=True, text=True,
-                              timeout=timeout_s, env=driver_env(spec, env), cwd=cwd)
+        proc = subprocess.run(
+            [str(python), str(script)],
+            input=json.dumps(request),
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+            env=driver_env(spec, env),
+            cwd=cwd,
+        )
     except subprocess.TimeoutExpired as e:
-        raise VenvError(f"{spec.name} driver {driver}: no reply within {timeout_s:.0f} s; stderr tail:\n"
-                        f"{(e.stderr or b'')[-2000:]!r}") from None
+        raise VenvError(
+            f"{spec.name} driver {driver}: no reply within {timeout_s:.0f} s; stderr tail:\n"
+            f"{(e.stderr or b'')[-2000:]!r}"
+        ) from None
     lines = [ln for ln in proc.stdout.splitlines() if ln.strip()]
     try:
         reply = json.loads(lines[-1]) if lines else None
     except json.JSONDecodeError:
         reply = None
     if proc.returncode != 0 or not isinstance(reply, dict):
-        raise VenvError(f"{spec.name} driver {driver} failed (exit {proc.returncode}); "
-                        f"stderr tail:\n{proc.stderr[-3000:]}")
+        raise VenvError(
+            f"{spec.name} driver {driver} failed (exit {proc.returncode}); stderr tail:\n{proc.stderr[-3000:]}"
+        )
     if "error" in reply:
         raise VenvError(f"{spec.name} driver {driver}: {reply['error']}")
     return reply

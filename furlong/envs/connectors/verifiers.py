@@ -82,9 +82,11 @@ class Options:
 
     def env_config(self) -> dict[str, Any]:
         """The verifiers env config (`[env]` of a verifiers eval) this connector runs."""
-        base = {"taskset": {**self.taskset_args, "id": self.taskset},
-                "agent": {"harness": {"id": self.harness}, "runtime": {"type": "subprocess"}},
-                "timeout": {"episode": self.timeout_s}}
+        base = {
+            "taskset": {**self.taskset_args, "id": self.taskset},
+            "agent": {"harness": {"id": self.harness}, "runtime": {"type": "subprocess"}},
+            "timeout": {"episode": self.timeout_s},
+        }
         return _merge(base, self.env)
 
     def driver_env(self) -> dict[str, str]:
@@ -108,8 +110,10 @@ def options(envs: Any) -> Options:
         raise ValueError(f"{FIELD}: unknown key(s) {unknown} for the verifiers connector; known: {sorted(known)}")
     taskset = raw.get("taskset")
     if not isinstance(taskset, str) or not taskset.strip():
-        raise ValueError(f"{FIELD}.taskset: required, a verifiers taskset id (an importable module exporting a "
-                         f"vf.Taskset), got {taskset!r}")
+        raise ValueError(
+            f"{FIELD}.taskset: required, a verifiers taskset id (an importable module exporting a "
+            f"vf.Taskset), got {taskset!r}"
+        )
     for key in ("taskset_args", "sampling", "env"):
         if not isinstance(raw.get(key) or {}, dict):
             raise ValueError(f"{FIELD}.{key}: must be a mapping, got {raw[key]!r}")
@@ -128,16 +132,28 @@ def options(envs: Any) -> Options:
     harness = raw.get("harness", "null")
     if not isinstance(harness, str) or not harness:
         raise ValueError(f"{FIELD}.harness: must be a verifiers harness id, got {harness!r}")
-    return Options(taskset=taskset.strip(), taskset_args=dict(raw.get("taskset_args") or {}), harness=harness,
-                   paths=tuple(str(Path(p).resolve()) for p in paths), n_tasks=n,
-                   sampling=dict(raw.get("sampling") or {}), env=dict(raw.get("env") or {}), timeout_s=float(timeout))
+    return Options(
+        taskset=taskset.strip(),
+        taskset_args=dict(raw.get("taskset_args") or {}),
+        harness=harness,
+        paths=tuple(str(Path(p).resolve()) for p in paths),
+        n_tasks=n,
+        sampling=dict(raw.get("sampling") or {}),
+        env=dict(raw.get("env") or {}),
+        timeout_s=float(timeout),
+    )
 
 
 # ---------------------------------------------------------------- tasks -> prompts
 def list_tasks(opts: Options) -> dict[str, Any]:
     """The driver's listing of the taskset: tasks (idx, key, id, name, messages), class names, version."""
-    return run_driver(SPEC, DRIVER, {"op": "list", "env": opts.env_config(), "limit": opts.n_tasks},
-                      timeout_s=opts.timeout_s, env=opts.driver_env())
+    return run_driver(
+        SPEC,
+        DRIVER,
+        {"op": "list", "env": opts.env_config(), "limit": opts.n_tasks},
+        timeout_s=opts.timeout_s,
+        env=opts.driver_env(),
+    )
 
 
 _listed: dict[str, list[Any]] = {}
@@ -182,17 +198,28 @@ async def evaluate(ctx: Any, prompts_: list[Any], step: int = 0) -> dict[str, fl
     of them, and one greedy), scored by the taskset's rubric: `eval/mean_reward`,
     `eval/pass@k` and `eval/greedy_accuracy` count a reward of 1 as solved.
     """
+    from furlong.data.chat import encode_prompt
     from furlong.envs.agent import generate
     from furlong.rollout.eval import evaluate as furlong_evaluate
-    from furlong.data.chat import encode_prompt
 
     tasks = prompts(options(ctx.envs))[: max(1, len(prompts_))]
     c = ctx.config
-    params = {"max_new_tokens": c.max_new_tokens, "temperature": c.temperature, "top_p": c.top_p, "top_k": c.top_k,
-              "stop": list(c.stop) or None}
-    return await furlong_evaluate(ctx, [(p, encode_prompt(ctx.tokenizer, p.prompt)) for p in tasks],
-                                  n_samples=getattr(c, "eval_n_samples", 1), sampling_params=params,
-                                  reward_fn=_agent_reward, generate_fn=generate, seed=0)
+    params = {
+        "max_new_tokens": c.max_new_tokens,
+        "temperature": c.temperature,
+        "top_p": c.top_p,
+        "top_k": c.top_k,
+        "stop": list(c.stop) or None,
+    }
+    return await furlong_evaluate(
+        ctx,
+        [(p, encode_prompt(ctx.tokenizer, p.prompt)) for p in tasks],
+        n_samples=getattr(c, "eval_n_samples", 1),
+        sampling_params=params,
+        reward_fn=_agent_reward,
+        generate_fn=generate,
+        seed=0,
+    )
 
 
 def _agent_reward(sample: Any) -> Any:
@@ -217,9 +244,15 @@ class _Worker:
         fd, name = tempfile.mkstemp(prefix="furlong-verifiers-", suffix=".log")
         self.log = Path(name)
         with os.fdopen(fd, "wb") as err:
-            self.proc = subprocess.Popen([str(python), str(DRIVERS / f"{DRIVER}.py"), "--serve"], stdin=subprocess.PIPE,
-                                         stdout=subprocess.PIPE, stderr=err, env=driver_env(SPEC, extra_env),
-                                         text=True, bufsize=1)
+            self.proc = subprocess.Popen(
+                [str(python), str(DRIVERS / f"{DRIVER}.py"), "--serve"],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=err,
+                env=driver_env(SPEC, extra_env),
+                text=True,
+                bufsize=1,
+            )
         self.pending: dict[int, asyncio.Future] = {}
         self.lock = threading.Lock()
         self.ids = itertools.count()
@@ -322,25 +355,38 @@ def task_ref(sample: Any, opts: Options) -> dict[str, Any]:
     """The verifiers task a sample's prompt came from (`metadata["verifiers"]`, set by `data_source`)."""
     ref = (getattr(sample, "metadata", None) or {}).get("verifiers")
     if not isinstance(ref, dict) or "idx" not in ref:
-        raise ValueError(f"sample {getattr(sample, 'index', '?')} names no verifiers task (metadata['verifiers']); "
-                         "take its prompts from rollout.data_source: furlong.envs.connectors.verifiers:data_source")
+        raise ValueError(
+            f"sample {getattr(sample, 'index', '?')} names no verifiers task (metadata['verifiers']); "
+            "take its prompts from rollout.data_source: furlong.envs.connectors.verifiers:data_source"
+        )
     if ref.get("taskset") not in (None, opts.taskset):
-        raise ValueError(f"{FIELD}.taskset is {opts.taskset!r}, but the sample's prompt came from taskset "
-                         f"{ref['taskset']!r}")
+        raise ValueError(
+            f"{FIELD}.taskset is {opts.taskset!r}, but the sample's prompt came from taskset {ref['taskset']!r}"
+        )
     return ref
 
 
 async def run_episode(sample: Any, base_url: str, opts: Options) -> dict[str, Any]:
     """One verifiers episode of the sample's task against `base_url`; the driver's reply (see the driver)."""
     ref = task_ref(sample, opts)
-    req = {"op": "episode", "env": opts.env_config(), "limit": opts.n_tasks, "idx": ref["idx"], "key": ref.get("key"),
-           "base_url": base_url, "model": "furlong", "sampling": opts.sampling}
+    req = {
+        "op": "episode",
+        "env": opts.env_config(),
+        "limit": opts.n_tasks,
+        "idx": ref["idx"],
+        "key": ref.get("key"),
+        "base_url": base_url,
+        "model": "furlong",
+        "sampling": opts.sampling,
+    }
     worker = await asyncio.to_thread(_worker, opts)
     try:
         reply = await worker.request(req, opts.timeout_s + 30.0)
     except TimeoutError:
-        raise VerifiersError(f"verifiers episode of task {ref['idx']} ({opts.taskset}) gave no result within "
-                             f"{FIELD}.timeout_s = {opts.timeout_s:g} s (+30 s grace)") from None
+        raise VerifiersError(
+            f"verifiers episode of task {ref['idx']} ({opts.taskset}) gave no result within "
+            f"{FIELD}.timeout_s = {opts.timeout_s:g} s (+30 s grace)"
+        ) from None
     if "error" in reply:
         raise VerifiersError(f"verifiers episode of task {ref['idx']} ({opts.taskset}): {reply['error']}")
     return reply
@@ -358,8 +404,13 @@ async def agent(sample: Any, base_url: str, envs: Any = None) -> dict[str, float
     keep = ("ok", "truncated", "stop", "turns", "errors", "seconds")
     sample.metadata["verifiers_episode"] = {k: reply[k] for k in keep}
     if not reply["scored"] or (not reply["ok"] and not reply["truncated"]):
-        raise VerifiersError(f"verifiers episode of task {sample.metadata['verifiers']['idx']} ({opts.taskset}) "
-                             f"failed: {'; '.join(reply['errors']) or 'nothing was scored'}")
+        raise VerifiersError(
+            f"verifiers episode of task {sample.metadata['verifiers']['idx']} ({opts.taskset}) "
+            f"failed: {'; '.join(reply['errors']) or 'nothing was scored'}"
+        )
     named = {(k if k != "score" else "vf_score"): float(v["score"]) for k, v in reply["rewards"].items()}
-    return {"score": float(reply["reward"]), **named, **{f"metric/{k}": float(v) for k, v in reply["metrics"].items()
-                                                          if isinstance(v, (int, float))}}
+    return {
+        "score": float(reply["reward"]),
+        **named,
+        **{f"metric/{k}": float(v) for k, v in reply["metrics"].items() if isinstance(v, (int, float))},
+    }

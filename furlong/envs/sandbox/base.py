@@ -12,9 +12,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
-from furlong.config.registry import Sandbox
+from furlong.config.protocols import Sandbox  # plug points are declared once, in config/protocols.py
+
+if TYPE_CHECKING:
+    from furlong.config.schema import EnvsConfig
 
 __all__ = ["Sandbox", "SandboxLimits", "check_names", "result_status"]
 
@@ -30,10 +33,14 @@ class SandboxLimits:
     network: bool = False  # allow network
 
     @classmethod
-    def from_config(cls, envs: Any) -> "SandboxLimits":
+    def from_config(cls, envs: EnvsConfig) -> SandboxLimits:
         """From the `envs` config section (timeout_s, memory_mb, max_output_bytes, network)."""
-        return cls(timeout_s=envs.timeout_s, memory_mb=envs.memory_mb, max_output_bytes=envs.max_output_bytes,
-                   network=envs.network)
+        return cls(
+            timeout_s=envs.timeout_s,
+            memory_mb=envs.memory_mb,
+            max_output_bytes=envs.max_output_bytes,
+            network=envs.network,
+        )
 
 
 def check_names(files: dict[str, str], who: str) -> None:

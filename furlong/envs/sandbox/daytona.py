@@ -39,15 +39,26 @@ class DaytonaSandbox(RemoteSandbox):
 
     provider = "daytona"
 
-    def __init__(self, limits: SandboxLimits | None = None, *, api_key: str | None = None, api_url: str | None = None,
-                 target: str | None = None, snapshot: str | None = None, auto_stop_minutes: int = 15,
-                 create_timeout_s: float = 120.0, python: str = "python3", grace_s: float = 30.0):
+    def __init__(
+        self,
+        limits: SandboxLimits | None = None,
+        *,
+        api_key: str | None = None,
+        api_url: str | None = None,
+        target: str | None = None,
+        snapshot: str | None = None,
+        auto_stop_minutes: int = 15,
+        create_timeout_s: float = 120.0,
+        python: str = "python3",
+        grace_s: float = 30.0,
+    ):
         super().__init__(limits, python=python, grace_s=grace_s)
         self.daytona = _sdk()
         self.api_key = api_key or os.environ.get("DAYTONA_API_KEY")
         if not self.api_key:
-            raise RuntimeError("envs.sandbox=daytona: set the DAYTONA_API_KEY environment variable "
-                               "(your Daytona API key)")
+            raise RuntimeError(
+                "envs.sandbox=daytona: set the DAYTONA_API_KEY environment variable (your Daytona API key)"
+            )
         self.api_url = api_url or os.environ.get("DAYTONA_API_URL")
         self.target = target or os.environ.get("DAYTONA_TARGET")
         self.snapshot, self.auto_stop_minutes, self.create_timeout_s = snapshot, auto_stop_minutes, create_timeout_s
@@ -57,8 +68,13 @@ class DaytonaSandbox(RemoteSandbox):
         client = d.AsyncDaytona(d.DaytonaConfig(api_key=self.api_key, api_url=self.api_url, target=self.target))
         try:
             params = d.CreateSandboxFromSnapshotParams(
-                language="python", snapshot=self.snapshot, network_block_all=not self.limits.network, ephemeral=True,
-                auto_stop_interval=self.auto_stop_minutes, labels={"created-by": "furlong"})
+                language="python",
+                snapshot=self.snapshot,
+                network_block_all=not self.limits.network,
+                ephemeral=True,
+                auto_stop_interval=self.auto_stop_minutes,
+                labels={"created-by": "furlong"},
+            )
             box = await client.create(params, timeout=self.create_timeout_s)
         except BaseException:
             await client.close()
@@ -90,5 +106,10 @@ class DaytonaSandbox(RemoteSandbox):
             await client.close()
 
     def _isolation(self, box: Any) -> dict[str, Any]:
-        return {"provider": "daytona", "sandbox_id": box[1].id, "vm": "daytona sandbox",
-                "network": "allowed" if self.limits.network else "blocked by provider", "memory": "rlimit"}
+        return {
+            "provider": "daytona",
+            "sandbox_id": box[1].id,
+            "vm": "daytona sandbox",
+            "network": "allowed" if self.limits.network else "blocked by provider",
+            "memory": "rlimit",
+        }

@@ -37,8 +37,17 @@ class E2BSandbox(RemoteSandbox):
 
     provider = "e2b"
 
-    def __init__(self, limits: SandboxLimits | None = None, *, api_key: str | None = None, api_url: str | None = None,
-                 template: str | None = None, lifetime_s: int = 3600, python: str = "python3", grace_s: float = 30.0):
+    def __init__(
+        self,
+        limits: SandboxLimits | None = None,
+        *,
+        api_key: str | None = None,
+        api_url: str | None = None,
+        template: str | None = None,
+        lifetime_s: int = 3600,
+        python: str = "python3",
+        grace_s: float = 30.0,
+    ):
         super().__init__(limits, python=python, grace_s=grace_s)
         self.e2b = _sdk()
         self.api_key = api_key or os.environ.get("E2B_API_KEY")
@@ -48,9 +57,13 @@ class E2BSandbox(RemoteSandbox):
 
     async def _create(self) -> Any:
         opts = {"api_key": self.api_key, **({"api_url": self.api_url} if self.api_url else {})}
-        return await self.e2b.AsyncSandbox.create(template=self.template, timeout=self.lifetime_s,
-                                                  allow_internet_access=self.limits.network,
-                                                  metadata={"created_by": "furlong"}, **opts)
+        return await self.e2b.AsyncSandbox.create(
+            template=self.template,
+            timeout=self.lifetime_s,
+            allow_internet_access=self.limits.network,
+            metadata={"created_by": "furlong"},
+            **opts,
+        )
 
     async def _exec(self, box: Any, command: str, timeout_s: float) -> tuple[int | None, str, str]:
         e2b = self.e2b
@@ -74,5 +87,10 @@ class E2BSandbox(RemoteSandbox):
         await box.kill()
 
     def _isolation(self, box: Any) -> dict[str, Any]:
-        return {"provider": "e2b", "sandbox_id": box.sandbox_id, "vm": "e2b micro-VM",
-                "network": "allowed" if self.limits.network else "blocked by provider", "memory": "rlimit"}
+        return {
+            "provider": "e2b",
+            "sandbox_id": box.sandbox_id,
+            "vm": "e2b micro-VM",
+            "network": "allowed" if self.limits.network else "blocked by provider",
+            "memory": "rlimit",
+        }

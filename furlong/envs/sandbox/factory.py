@@ -7,15 +7,18 @@ optional extra (`furlong[envs]`), and a missing one is reported by the provider.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 from furlong.config.registry import load_plugin
 from furlong.envs.sandbox.base import Sandbox
 
+if TYPE_CHECKING:
+    from furlong.config.schema import EnvsConfig
 
-def build_sandbox(envs: Any) -> Sandbox:
+
+def build_sandbox(envs: EnvsConfig) -> Sandbox:
     """The sandbox an `envs` config asks for: `sandbox_factory` if set, else the named provider."""
-    if getattr(envs, "sandbox_factory", None):
+    if envs.sandbox_factory:
         return load_plugin("envs.sandbox_factory", envs.sandbox_factory)(config=envs)
     if envs.sandbox == "e2b":
         from furlong.envs.sandbox.e2b import E2BSandbox

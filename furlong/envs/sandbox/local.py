@@ -44,9 +44,12 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from furlong.envs.sandbox.base import SandboxLimits, check_names, result_status
+
+if TYPE_CHECKING:
+    from furlong.config.schema import EnvsConfig
 
 _LIBC = ctypes.CDLL(None, use_errno=True)
 CLONE_NEWUSER, CLONE_NEWNET = 0x10000000, 0x40000000
@@ -123,8 +126,11 @@ def _isolate(limits: SandboxLimits, workdir: str, uid: int | None, report_fd: in
     else:  # RLIMIT_NPROC counts every process of this uid, so allow those already running
         mine = sum(1 for p in os.listdir("/proc") if p.isdigit() and _owned(p))
         resource.setrlimit(resource.RLIMIT_NPROC, (mine + limits.max_procs, mine + limits.max_procs))
-    done["filesystem"] = "landlock" if _landlock(workdir, net=not limits.network and "network" not in done) else (
-        "uid" if uid is not None else "unavailable")
+    done["filesystem"] = (
+        "landlock"
+        if _landlock(workdir, net=not limits.network and "network" not in done)
+        else ("uid" if uid is not None else "unavailable")
+    )
     if "network" not in done:
         done["network"] = "landlock-tcp" if done["filesystem"] == "landlock" and LANDLOCK_ABI >= 4 else "unavailable"
     os.write(report_fd, json.dumps(done).encode())
@@ -194,6 +200,20 @@ def _kill_all(pgid: int, uid: int | None) -> None:
     os.waitpid(pid, 0)
 
 
+def _workdir(files: dict[str, str], uid: int | None) -> str:
+    """A fresh directory holding `files`, owned by `uid` when the sandbox drops to one (as root)."""
+    workdir = tempfile.mkdtemp(prefix="furlong-sandbox-")
+    for name, text in files.items():
+        target = Path(workdir) / name
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_text(text)
+    if uid is not None:
+        for root, dirs, names in os.walk(workdir):
+            for p in [root, *(os.path.join(root, n) for n in dirs + names)]:
+                os.chown(p, uid, uid)
+    return workdir
+
+
 class LocalSandbox:
     """The default sandbox provider (`envs.sandbox: local`); see the module docstring."""
 
@@ -202,12 +222,13 @@ class LocalSandbox:
         self.python = python or default_python()
 
     @classmethod
-    def from_config(cls, envs: Any) -> "LocalSandbox":
+    def from_config(cls, envs: EnvsConfig) -> LocalSandbox:
         """From the `envs` config section (timeout_s, memory_mb, max_output_bytes, network)."""
         return cls(SandboxLimits.from_config(envs))
 
-    async def run(self, code: str, *, timeout_s: float | None = None, files: dict[str, str] | None = None,
-                  stdin: str = "") -> dict[str, Any]:
+    async def run(
+        self, code: str, *, timeout_s: float | None = None, files: dict[str, str] | None = None, stdin: str = ""
+    ) -> dict[str, Any]:
         """Run `code` as `main.py` (beside `files`); returns stdout, stderr, exit_code, status and isolation.
 
         `status` is one of ok | error | timeout | memory | killed: what a reward needs to
@@ -216,26 +237,33 @@ class LocalSandbox:
         limits = SandboxLimits(**{**self.limits.__dict__, "timeout_s": timeout_s or self.limits.timeout_s})
         files = {**(files or {}), "main.py": code}
         check_names(files, "LocalSandbox.run")
-        workdir = tempfile.mkdtemp(prefix="furlong-sandbox-")
         uid = random.randrange(*UID_RANGE) if os.geteuid() == 0 else None
-        for name, text in files.items():
-            target = Path(workdir) / name
-            target.parent.mkdir(parents=True, exist_ok=True)
-            target.write_text(text)
-        if uid is not None:
-            for root, dirs, names in os.walk(workdir):
-                for p in [root, *(os.path.join(root, n) for n in dirs + names)]:
-                    os.chown(p, uid, uid)
+        workdir = _workdir(files, uid)
         read_fd, write_fd = os.pipe()
-        env = {"PATH": "/usr/bin:/bin", "HOME": workdir, "TMPDIR": workdir, "LANG": "C.UTF-8",
-               "PYTHONDONTWRITEBYTECODE": "1", "PYTHONUNBUFFERED": "1"}
+        env = {
+            "PATH": "/usr/bin:/bin",
+            "HOME": workdir,
+            "TMPDIR": workdir,
+            "LANG": "C.UTF-8",
+            "PYTHONDONTWRITEBYTECODE": "1",
+            "PYTHONUNBUFFERED": "1",
+        }
         start = time.monotonic()
         try:
             proc = await asyncio.create_subprocess_exec(
-                self.python, "-E", "-s", "main.py", cwd=workdir, env=env, start_new_session=True, pass_fds=(write_fd,),
+                self.python,
+                "-E",
+                "-s",
+                "main.py",
+                cwd=workdir,
+                env=env,
+                start_new_session=True,
+                pass_fds=(write_fd,),
                 stdin=asyncio.subprocess.PIPE if stdin else asyncio.subprocess.DEVNULL,
-                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-                preexec_fn=lambda: _isolate(limits, workdir, uid, write_fd))
+                stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.PIPE,
+                preexec_fn=lambda: _isolate(limits, workdir, uid, write_fd),
+            )
         except BaseException:
             os.close(read_fd)
             shutil.rmtree(workdir, ignore_errors=True)
@@ -247,8 +275,10 @@ class LocalSandbox:
         finally:
             os.close(read_fd)
         out, err = bytearray(), bytearray()
-        reads = asyncio.gather(_read_capped(proc.stdout, limits.max_output_bytes, out),
-                               _read_capped(proc.stderr, limits.max_output_bytes, err))
+        reads = asyncio.gather(
+            _read_capped(proc.stdout, limits.max_output_bytes, out),
+            _read_capped(proc.stderr, limits.max_output_bytes, err),
+        )
 
         async def main_exit() -> int:
             """main.py's exit status. Not `proc.wait()`: that also waits for the pipes to close,
@@ -279,9 +309,17 @@ class LocalSandbox:
                 shutil.rmtree(workdir, ignore_errors=True)
         stderr = err.decode(errors="replace")
         status = result_status(timed_out, code_, stderr)
-        return {"stdout": out.decode(errors="replace"), "stderr": stderr, "exit_code": code_, "status": status,
-                "timed_out": timed_out, "truncated": out_cut or err_cut, "duration_s": time.monotonic() - start,
-                "isolation": isolation, "escaped_processes": escaped}
+        return {
+            "stdout": out.decode(errors="replace"),
+            "stderr": stderr,
+            "exit_code": code_,
+            "status": status,
+            "timed_out": timed_out,
+            "truncated": out_cut or err_cut,
+            "duration_s": time.monotonic() - start,
+            "isolation": isolation,
+            "escaped_processes": escaped,
+        }
 
     async def close(self) -> None:
         """Nothing persists between runs: each has its own directory, removed when it ends."""

@@ -29,18 +29,23 @@ import shlex
 import time
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from furlong.envs.sandbox.base import SandboxLimits, check_names, result_status
 from furlong.envs.sandbox.runner import MARK as RESULT_MARK
+
+if TYPE_CHECKING:
+    from furlong.config.schema import EnvsConfig
 
 RUNNER_SOURCE = (Path(__file__).parent / "runner.py").read_text()  # sent as the command, never imported there
 INLINE_COMMAND_BYTES = 100_000  # one argv string must stay under Linux's 128 KiB MAX_ARG_STRLEN
 
 
 def missing_sdk(provider: str, package: str) -> ImportError:
-    return ImportError(f"envs.sandbox: {provider} needs the {package!r} package: "
-                       f"pip install 'furlong[envs]' (or pip install {package})")
+    return ImportError(
+        f"envs.sandbox: {provider} needs the {package!r} package: "
+        f"pip install 'furlong[envs]' (or pip install {package})"
+    )
 
 
 def runner_command(python: str, job_arg: str) -> str:
@@ -57,9 +62,11 @@ def parse_result(provider: str, exit_code: int | None, stdout: str, stderr: str,
     line = next((ln for ln in reversed(stdout.splitlines()) if ln.startswith(RESULT_MARK)), None)
     if line is None:
         tail = (stdout + stderr)[-2000:]
-        raise RuntimeError(f"{provider} sandbox: the runner printed no result (exit code {exit_code}); is "
-                           f"python3 in the sandbox image? Output:\n{tail}")
-    r = json.loads(line[len(RESULT_MARK):])
+        raise RuntimeError(
+            f"{provider} sandbox: the runner printed no result (exit code {exit_code}); is "
+            f"python3 in the sandbox image? Output:\n{tail}"
+        )
+    r = json.loads(line[len(RESULT_MARK) :])
     r["stdout"], cut_out = _cut(r["stdout"], cap)
     r["stderr"], cut_err = _cut(r["stderr"], cap)
     r["truncated"] = bool(r["truncated"] or cut_out or cut_err)
@@ -68,8 +75,16 @@ def parse_result(provider: str, exit_code: int | None, stdout: str, stderr: str,
 
 
 def timeout_result(start: float, why: str) -> dict[str, Any]:
-    return {"stdout": "", "stderr": why, "exit_code": -9, "status": "timeout", "timed_out": True, "truncated": False,
-            "duration_s": time.monotonic() - start, "escaped_processes": False}
+    return {
+        "stdout": "",
+        "stderr": why,
+        "exit_code": -9,
+        "status": "timeout",
+        "timed_out": True,
+        "truncated": False,
+        "duration_s": time.monotonic() - start,
+        "escaped_processes": False,
+    }
 
 
 class SandboxGone(Exception):
@@ -89,7 +104,7 @@ class RemoteSandbox:
         self._loop: asyncio.AbstractEventLoop | None = None
 
     @classmethod
-    def from_config(cls, envs: Any, **kw: Any) -> "RemoteSandbox":
+    def from_config(cls, envs: EnvsConfig, **kw: Any) -> RemoteSandbox:
         """From the `envs` config section (timeout_s, memory_mb, max_output_bytes, network)."""
         return cls(SandboxLimits.from_config(envs), **kw)
 
@@ -114,8 +129,10 @@ class RemoteSandbox:
     async def _machine(self) -> Any:
         loop = asyncio.get_running_loop()
         if self._loop is not None and self._loop is not loop:
-            raise RuntimeError(f"{type(self).__name__} is bound to the event loop that first used it; "
-                               "create one provider per event loop")
+            raise RuntimeError(
+                f"{type(self).__name__} is bound to the event loop that first used it; "
+                "create one provider per event loop"
+            )
         self._loop = loop
         self._lock = self._lock or asyncio.Lock()
         async with self._lock:
@@ -123,14 +140,22 @@ class RemoteSandbox:
                 self._box = await self._create()
             return self._box
 
-    async def run(self, code: str, *, timeout_s: float | None = None, files: dict[str, str] | None = None,
-                  stdin: str = "") -> dict[str, Any]:
+    async def run(
+        self, code: str, *, timeout_s: float | None = None, files: dict[str, str] | None = None, stdin: str = ""
+    ) -> dict[str, Any]:
         """Run `code` as `main.py` (beside `files`) in the remote sandbox; the same result dict as LocalSandbox."""
         files = {**(files or {}), "main.py": code}
         check_names(files, "sandbox run")
         timeout = timeout_s or self.limits.timeout_s
-        job = json.dumps({"files": files, "stdin": stdin, "timeout_s": timeout, "memory_mb": self.limits.memory_mb,
-                          "max_output_bytes": self.limits.max_output_bytes}).encode()
+        job = json.dumps(
+            {
+                "files": files,
+                "stdin": stdin,
+                "timeout_s": timeout,
+                "memory_mb": self.limits.memory_mb,
+                "max_output_bytes": self.limits.max_output_bytes,
+            }
+        ).encode()
         start = time.monotonic()
         for attempt in (0, 1):
             box = await self._machine()
@@ -140,8 +165,9 @@ class RemoteSandbox:
                     path = f"/tmp/furlong-job-{uuid.uuid4().hex}.json"
                     await self._upload(box, path, job)
                     command = runner_command(self.python, "@" + path)
-                code_, out, err = await asyncio.wait_for(self._exec(box, command, timeout + self.grace_s),
-                                                         timeout + self.grace_s + 5.0)
+                code_, out, err = await asyncio.wait_for(
+                    self._exec(box, command, timeout + self.grace_s), timeout + self.grace_s + 5.0
+                )
                 break
             except SandboxGone:
                 if self._box is box:
@@ -149,8 +175,10 @@ class RemoteSandbox:
                 if attempt:
                     raise
             except TimeoutError:
-                return {**timeout_result(start, f"{self.provider}: no answer within {timeout + self.grace_s:.0f}s"),
-                        "isolation": self._isolation(box)}
+                return {
+                    **timeout_result(start, f"{self.provider}: no answer within {timeout + self.grace_s:.0f}s"),
+                    "isolation": self._isolation(box),
+                }
         result = parse_result(self.provider, code_, out, err, self.limits.max_output_bytes)
         return {**result, "duration_s": time.monotonic() - start, "isolation": self._isolation(box)}
 

@@ -33,10 +33,11 @@ MARK = "@@furlong-sandbox-result@@"
 
 def _limit(memory_mb, cpu_s):
     def apply():
-        mem = memory_mb * 2 ** 20
+        mem = memory_mb * 2**20
         resource.setrlimit(resource.RLIMIT_AS, (mem, mem))
         resource.setrlimit(resource.RLIMIT_CPU, (cpu_s, cpu_s + 1))
         resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+
     return apply
 
 
@@ -49,7 +50,7 @@ def _drain(fd, cap, kept, cut):
         room = cap - len(kept)
         if len(chunk) > room:
             cut.append(True)
-        kept.extend(chunk[:max(room, 0)])
+        kept.extend(chunk[: max(room, 0)])
 
 
 def _feed(pipe, data):
@@ -69,16 +70,31 @@ def run(job):
             with open(path, "w") as f:
                 f.write(text)
         timeout_s, cap = float(job["timeout_s"]), int(job["max_output_bytes"])
-        env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": work, "TMPDIR": work, "LANG": "C.UTF-8",
-               "PYTHONDONTWRITEBYTECODE": "1", "PYTHONUNBUFFERED": "1"}
+        env = {
+            "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
+            "HOME": work,
+            "TMPDIR": work,
+            "LANG": "C.UTF-8",
+            "PYTHONDONTWRITEBYTECODE": "1",
+            "PYTHONUNBUFFERED": "1",
+        }
         stdin = job.get("stdin") or ""
         start = time.monotonic()
-        proc = subprocess.Popen([sys.executable, "-E", "-s", "main.py"], cwd=work, env=env, start_new_session=True,
-                                stdin=subprocess.PIPE if stdin else subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, preexec_fn=_limit(int(job["memory_mb"]), int(timeout_s) + 1))
+        proc = subprocess.Popen(
+            [sys.executable, "-E", "-s", "main.py"],
+            cwd=work,
+            env=env,
+            start_new_session=True,
+            stdin=subprocess.PIPE if stdin else subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            preexec_fn=_limit(int(job["memory_mb"]), int(timeout_s) + 1),
+        )
         out, err, cut = bytearray(), bytearray(), []
-        threads = [threading.Thread(target=_drain, args=(proc.stdout.fileno(), cap, out, cut), daemon=True),
-                   threading.Thread(target=_drain, args=(proc.stderr.fileno(), cap, err, cut), daemon=True)]
+        threads = [
+            threading.Thread(target=_drain, args=(proc.stdout.fileno(), cap, out, cut), daemon=True),
+            threading.Thread(target=_drain, args=(proc.stderr.fileno(), cap, err, cut), daemon=True),
+        ]
         if stdin:
             threads.append(threading.Thread(target=_feed, args=(proc.stdin, stdin.encode()), daemon=True))
         for t in threads:
@@ -96,9 +112,15 @@ def run(job):
         for t in threads[:2]:
             t.join(2.0)
         escaped = any(t.is_alive() for t in threads[:2])  # a child left the group and holds the pipes
-        return {"stdout": out.decode("utf-8", "replace"), "stderr": err.decode("utf-8", "replace"),
-                "exit_code": code, "timed_out": timed_out, "truncated": bool(cut),
-                "duration_s": time.monotonic() - start, "escaped_processes": escaped}
+        return {
+            "stdout": out.decode("utf-8", "replace"),
+            "stderr": err.decode("utf-8", "replace"),
+            "exit_code": code,
+            "timed_out": timed_out,
+            "truncated": bool(cut),
+            "duration_s": time.monotonic() - start,
+            "escaped_processes": escaped,
+        }
     finally:
         shutil.rmtree(work, ignore_errors=True)
 

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from furlong.config.registry import AdvantageFn  # plug points are declared once, in the registry
+from furlong.config.protocols import AdvantageFn  # plug points are declared once, in config/protocols.py
 from furlong.train.losses.reducers import masked_mean
 
 if TYPE_CHECKING:

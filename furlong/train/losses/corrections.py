@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from furlong.config.registry import CorrectionFn  # plug points are declared once, in the registry
+from furlong.config.protocols import CorrectionFn  # plug points are declared once, in config/protocols.py
 from furlong.train.losses.reducers import masked_mean, masked_sum
 
 if TYPE_CHECKING:
@@ -137,9 +137,7 @@ def icepop(old_logprobs: Tensor, rollout_logprobs: Tensor, mask: Tensor, low: fl
     return mis(old_logprobs, rollout_logprobs, mask, "token", "mask", low, high)
 
 
-def opsm(
-    logprobs: Tensor, sampling_logprobs: Tensor, advantages: Tensor, mask: Tensor, delta: float
-) -> Correction:
+def opsm(logprobs: Tensor, sampling_logprobs: Tensor, advantages: Tensor, mask: Tensor, delta: float) -> Correction:
     """Off-policy sequence masking: drop tokens with A_{i,t} < 0 of sequences that drifted too far.
 
     M_{i,t} = 0 if A_{i,t} < 0 and (1/|y_i|) sum_t log(pi_sampling(y_t) / pi_theta(y_t)) > delta, else 1.
@@ -193,8 +191,13 @@ def _tis(algo: AlgoConfig, t: Mapping[str, Tensor]) -> Correction:
 
 def _mis(algo: AlgoConfig, t: Mapping[str, Tensor]) -> Correction:
     return mis(
-        t["old_logprobs"], _need_rollout(algo, t), t["mask"], algo.correction_level, algo.correction_mode,
-        algo.correction_low, algo.correction_high,
+        t["old_logprobs"],
+        _need_rollout(algo, t),
+        t["mask"],
+        algo.correction_level,
+        algo.correction_mode,
+        algo.correction_low,
+        algo.correction_high,
     )
 
 

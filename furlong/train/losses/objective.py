@@ -37,8 +37,16 @@ if TYPE_CHECKING:
 F = TypeVar("F", bound=Callable[..., Any])
 
 _PER_TOKEN_KEYS = (
-    "logprobs", "old_logprobs", "rollout_logprobs", "ref_logprobs", "advantages",
-    "entropy", "teacher_logprobs", "values", "old_values", "returns",
+    "logprobs",
+    "old_logprobs",
+    "rollout_logprobs",
+    "ref_logprobs",
+    "advantages",
+    "entropy",
+    "teacher_logprobs",
+    "values",
+    "old_values",
+    "returns",
 )
 
 
@@ -117,16 +125,47 @@ def compute_policy_objective(
 
     def reduce(values: Tensor) -> Tensor:
         return reducer(
-            values, mask, constant=algo.reducer_constant,
-            total_tokens=_scalar(tensors.get("total_tokens")), total_samples=_scalar(tensors.get("total_samples")),
+            values,
+            mask,
+            constant=algo.reducer_constant,
+            total_tokens=_scalar(tensors.get("total_tokens")),
+            total_samples=_scalar(tensors.get("total_samples")),
         )
 
     if algo.name == "sft":
-        return sft_loss(lp, mask, reducer, constant=algo.reducer_constant,
-                        total_tokens=_scalar(tensors.get("total_tokens")),
-                        total_samples=_scalar(tensors.get("total_samples")))
+        return sft_loss(
+            lp,
+            mask,
+            reducer,
+            constant=algo.reducer_constant,
+            total_tokens=_scalar(tensors.get("total_tokens")),
+            total_samples=_scalar(tensors.get("total_samples")),
+        )
 
     metrics: dict[str, float] = {"policy/num_tokens": mask.sum().item()}
+    adv, run_pg = _policy_advantages(algo, tensors, lp, old, mask, metrics)
+    weights = _correction_weights(algo, tensors, adv, old, mask, lp.dtype, correction_fn, metrics)
+
+    total = lp.new_zeros(())
+    if run_pg:
+        pg_tokens, pg_metrics = _resolve(loss_fn, POLICY_LOSSES, "ppo_clip", "loss")(algo, lp, old, adv, mask)
+        metrics.update(pg_metrics)
+        loss_pg = reduce(pg_tokens if weights is None else pg_tokens * weights)
+        metrics["loss/policy"] = loss_pg.item()
+        total = total + loss_pg
+    total = _add_other_terms(algo, tensors, lp, mask, weights, reduce, metrics, total)
+    metrics["loss/total"] = total.item()
+    return total, metrics
+
+
+def _policy_advantages(
+    algo: AlgoConfig, tensors: Mapping[str, Any], lp: Tensor, old: Tensor, mask: Tensor, metrics: dict[str, float]
+) -> tuple[Tensor, bool]:
+    """(advantages, whether the policy-gradient term runs): the given ones, shaped by distillation if asked.
+
+    Distillation may run with no advantages at all (reverse_kl mode): the policy term is then skipped and
+    zeros stand in where advantages are still read (the `policy/advantage_mean` metric, the correction).
+    """
     adv = tensors.get("advantages")
     distill = algo.name == "distill"
     teacher = tensors.get("teacher_logprobs")
@@ -145,26 +184,46 @@ def compute_policy_objective(
     elif distill and algo.distill_mode != "reverse_kl":
         raise ValueError(f"algo.distill_mode={algo.distill_mode!r} is not one of ['advantage', 'reverse_kl']")
     metrics["policy/advantage_mean"] = masked_mean(adv, mask).item()
+    return adv, run_pg
 
+
+def _correction_weights(
+    algo: AlgoConfig,
+    tensors: Mapping[str, Any],
+    adv: Tensor,
+    old: Tensor,
+    mask: Tensor,
+    dtype: torch.dtype,
+    correction_fn: CorrectionFn | str | None,
+    metrics: dict[str, float],
+) -> Tensor | None:
+    """Off-policy correction weights `[B, T]` (None when no correction is asked), plus the mismatch metrics."""
     rollout = tensors.get("rollout_logprobs")
     if rollout is not None:
         metrics.update(mismatch_metrics(old, rollout, mask))
-    weights = None
-    if correction_fn is not None or algo.correction != "none":
-        corr = _resolve(correction_fn, CORRECTIONS, algo.correction, "algo.correction")(
-            algo, {**tensors, "advantages": adv, "mask": mask}
-        )
-        weights = corr.weights.detach().to(lp.dtype)
-        metrics.update(corr.metrics)
+    if correction_fn is None and algo.correction == "none":
+        return None
+    corr = _resolve(correction_fn, CORRECTIONS, algo.correction, "algo.correction")(
+        algo, {**tensors, "advantages": adv, "mask": mask}
+    )
+    metrics.update(corr.metrics)
+    return corr.weights.detach().to(dtype)
 
-    total = lp.new_zeros(())
-    if run_pg:
-        pg_tokens, pg_metrics = _resolve(loss_fn, POLICY_LOSSES, "ppo_clip", "loss")(algo, lp, old, adv, mask)
-        metrics.update(pg_metrics)
-        loss_pg = reduce(pg_tokens if weights is None else pg_tokens * weights)
-        metrics["loss/policy"] = loss_pg.item()
-        total = total + loss_pg
 
+def _add_other_terms(
+    algo: AlgoConfig,
+    tensors: Mapping[str, Any],
+    lp: Tensor,
+    mask: Tensor,
+    weights: Tensor | None,
+    reduce: Callable[[Tensor], Tensor],
+    metrics: dict[str, float],
+    total: Tensor,
+) -> Tensor:
+    """`total` plus the KL, entropy, reverse-KL distillation and value terms, added in that order.
+
+    The order is part of the contract: floating-point sums in another order would change the loss bits.
+    """
     ref = tensors.get("ref_logprobs")
     if ref is not None:
         kl_tokens = kl_estimate(lp, ref.detach(), algo.kl_type)
@@ -182,8 +241,8 @@ def compute_policy_objective(
         if algo.entropy_coef:
             total = total - algo.entropy_coef * loss_ent
 
-    if distill and algo.distill_mode == "reverse_kl":
-        rkl = reverse_kl_loss(lp, teacher)
+    if algo.name == "distill" and algo.distill_mode == "reverse_kl":
+        rkl = reverse_kl_loss(lp, tensors["teacher_logprobs"])
         loss_rkl = reduce(rkl if weights is None else rkl * weights)
         metrics["loss/distill"] = loss_rkl.item()
         total = total + algo.distill_coef * loss_rkl
@@ -197,9 +256,7 @@ def compute_policy_objective(
         metrics.update(v_metrics)
         metrics["loss/value"] = loss_v.item()
         total = total + algo.vf_coef * loss_v
-
-    metrics["loss/total"] = total.item()
-    return total, metrics
+    return total
 
 
 def _scalar(x: Any) -> float | None:

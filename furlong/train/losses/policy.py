@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from furlong.config.registry import LossFn  # plug points are declared once, in the registry
+from furlong.config.protocols import LossFn  # plug points are declared once, in config/protocols.py
 from furlong.train.losses.reducers import masked_mean, masked_sum
 
 if TYPE_CHECKING:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from furlong.config.registry import ReducerFn  # plug points are declared once, in the registry
+from furlong.config.protocols import ReducerFn  # plug points are declared once, in config/protocols.py
 
 
 def masked_sum(values: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
@@ -95,4 +95,3 @@ REDUCERS: dict[str, ReducerFn] = {
     "sample_mean": sample_mean,
     "constant": constant_divisor,
 }
-

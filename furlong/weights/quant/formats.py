@@ -140,8 +140,9 @@ def nvfp4_quantize(w: torch.Tensor) -> Encoded:
     return Encoded(pack_nibbles(codes), block_scales, (1, NVFP4_BLOCK), tensor_scale)
 
 
-def nvfp4_dequantize(data: torch.Tensor, scales: torch.Tensor, tensor_scale: torch.Tensor,
-                     shape: tuple[int, int], rows: slice) -> torch.Tensor:
+def nvfp4_dequantize(
+    data: torch.Tensor, scales: torch.Tensor, tensor_scale: torch.Tensor, shape: tuple[int, int], rows: slice
+) -> torch.Tensor:
     start, stop = _row_range(rows, shape[0])
     elements = e2m1_decode(unpack_nibbles(data[start:stop])).reshape(stop - start, -1, NVFP4_BLOCK)
     factor = scales[start:stop].float() * tensor_scale
@@ -167,8 +168,9 @@ def int4_quantize(w: torch.Tensor, group: int = INT4_GROUP, scale_dtype: torch.d
     return Encoded(pack_nibbles(codes), scales, (1, group))
 
 
-def int4_dequantize(data: torch.Tensor, scales: torch.Tensor, group: int, shape: tuple[int, int],
-                    rows: slice) -> torch.Tensor:
+def int4_dequantize(
+    data: torch.Tensor, scales: torch.Tensor, group: int, shape: tuple[int, int], rows: slice
+) -> torch.Tensor:
     start, stop = _row_range(rows, shape[0])
     q = unpack_nibbles(data[start:stop]).float().sub_(8).reshape(stop - start, -1, group)
     return _from_blocks(q * scales[start:stop].float()[..., None], shape[1])

@@ -44,8 +44,9 @@ class QuantLinear(nn.Module):
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, fmt: str, name: str = "weight", chunk_rows: int = 2048,
-                    **quant_kwargs) -> QuantLinear:
+    def from_linear(
+        cls, linear: nn.Linear, fmt: str, name: str = "weight", chunk_rows: int = 2048, **quant_kwargs
+    ) -> QuantLinear:
         """Quantise `linear`'s weight (quant_kwargs go to `quantize`); the bias is kept as it is."""
         return cls(quantize(linear.weight, fmt, name=name, **quant_kwargs), linear.bias, chunk_rows)
 
@@ -57,23 +58,34 @@ class QuantLinear(nn.Module):
     def qweight(self) -> QuantizedTensor:
         """The stored weight as a QuantizedTensor (zero-copy views of the buffers)."""
         views = {role: getattr(self, f"q_{role}").view(dtype) for role, dtype in self._dtypes.items()}
-        return QuantizedTensor(self.fmt, views["data"], views["scales"], (self.out_features, self.in_features),
-                               self.weight_dtype, self.block, views.get("tensor_scale"))
+        return QuantizedTensor(
+            self.fmt,
+            views["data"],
+            views["scales"],
+            (self.out_features, self.in_features),
+            self.weight_dtype,
+            self.block,
+            views.get("tensor_scale"),
+        )
 
     @torch.no_grad()
     def load_(self, qt: QuantizedTensor, bias: torch.Tensor | None = None) -> None:
         """Replace the weight in place (same buffers, same storage) with another of the same layout."""
         mine = self.qweight
         if (qt.fmt, tuple(qt.shape), qt.block) != (mine.fmt, mine.shape, mine.block):
-            raise ValueError(f"load_: got {qt.fmt} {tuple(qt.shape)} block {qt.block}, this layer holds "
-                             f"{mine.fmt} {mine.shape} block {mine.block}")
+            raise ValueError(
+                f"load_: got {qt.fmt} {tuple(qt.shape)} block {qt.block}, this layer holds "
+                f"{mine.fmt} {mine.shape} block {mine.block}"
+            )
         new, old = qt.tensors(), mine.tensors()
         for role in _ROLES:
             if role not in old:
                 continue
             if new[role].shape != old[role].shape or new[role].dtype != old[role].dtype:
-                raise ValueError(f"load_: {role} is {new[role].dtype} {tuple(new[role].shape)}, "
-                                 f"expected {old[role].dtype} {tuple(old[role].shape)}")
+                raise ValueError(
+                    f"load_: {role} is {new[role].dtype} {tuple(new[role].shape)}, "
+                    f"expected {old[role].dtype} {tuple(old[role].shape)}"
+                )
             getattr(self, f"q_{role}").copy_(_raw(new[role]))
         self.weight_dtype = qt.dtype
         if bias is not None:
@@ -90,14 +102,18 @@ class QuantLinear(nn.Module):
                 return y
         if self.out_features <= self.chunk_rows:
             return F.linear(x, qt.dequantize(x.dtype), bias)
-        parts = [F.linear(x, qt.dequantize(x.dtype, rows=slice(r, r + self.chunk_rows)))
-                 for r in range(0, self.out_features, self.chunk_rows)]
+        parts = [
+            F.linear(x, qt.dequantize(x.dtype, rows=slice(r, r + self.chunk_rows)))
+            for r in range(0, self.out_features, self.chunk_rows)
+        ]
         y = torch.cat(parts, dim=-1)
         return y if bias is None else y + bias
 
     def extra_repr(self) -> str:
-        return (f"in_features={self.in_features}, out_features={self.out_features}, fmt={self.fmt}, "
-                f"block={self.block}, bias={self.bias is not None}")
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, fmt={self.fmt}, "
+            f"block={self.block}, bias={self.bias is not None}"
+        )
 
 
 _SCALED_MM_BROKEN = False
@@ -130,8 +146,9 @@ def _fp8_scaled_mm_linear(x: torch.Tensor, qt: QuantizedTensor, bias: torch.Tens
             scale_a = (xs.abs().amax(dim=-1, keepdim=True) / E4M3_MAX).clamp(min=FP32_TINY)
             scale_b = qt.scales[:, j].repeat_interleave(FP8_BLOCK)[:n].reshape(1, n).contiguous()
             b = qt.data[:, cols].contiguous().t()  # [128, n], column-major as _scaled_mm wants
-            out += torch._scaled_mm(to_e4m3(xs / scale_a), b, scale_a=scale_a, scale_b=scale_b,
-                                    out_dtype=torch.bfloat16).float()
+            out += torch._scaled_mm(
+                to_e4m3(xs / scale_a), b, scale_a=scale_a, scale_b=scale_b, out_dtype=torch.bfloat16
+            ).float()
         y = out[:m].to(x.dtype).reshape(*x.shape[:-1], n)
         return y if bias is None else y + bias
     except (RuntimeError, TypeError) as e:  # a backend that rejects the call: dequantise from now on
@@ -145,8 +162,9 @@ def _skipped(name: str, skip: tuple[str, ...]) -> bool:
     return any(f".{s}." in f".{name}." for s in skip)
 
 
-def quantize_model_linears(model: nn.Module, fmt: str, skip: tuple[str, ...] = ("lm_head",),
-                           **quant_kwargs) -> list[str]:
+def quantize_model_linears(
+    model: nn.Module, fmt: str, skip: tuple[str, ...] = ("lm_head",), **quant_kwargs
+) -> list[str]:
     """Replace every nn.Linear of `model` (bar those `skip` names) by a QuantLinear; return their names.
 
     The default keeps lm_head in full precision: it is the layer whose error reaches the log-probs

@@ -78,8 +78,14 @@ class QuantizedTensor:
         return w.to(dtype or self.dtype)
 
 
-def quantize(t: torch.Tensor, fmt: str, *, name: str = "tensor", group_size: int = f.INT4_GROUP,
-             scale_dtype: torch.dtype = torch.float32) -> QuantizedTensor:
+def quantize(
+    t: torch.Tensor,
+    fmt: str,
+    *,
+    name: str = "tensor",
+    group_size: int = f.INT4_GROUP,
+    scale_dtype: torch.dtype = torch.float32,
+) -> QuantizedTensor:
     """Quantise a 2-D floating weight [out_features, in_features] to `fmt` (see FORMATS).
 
     `group_size` and `scale_dtype` apply to int4 only (group along the input dim; fp32 or bf16 scales).
@@ -119,5 +125,7 @@ def _check(t: torch.Tensor, fmt: str, name: str, group_size: int, scale_dtype: t
     if not bool(finite.all()):
         bad = int((~finite).sum())
         first = tuple(int(i) for i in (~finite).nonzero()[0])
-        raise ValueError(f"{where}: {bad} NaN/inf value(s), first at index {first}; refusing to quantise "
-                         "a non-finite weight (it would poison its whole block)")
+        raise ValueError(
+            f"{where}: {bad} NaN/inf value(s), first at index {first}; refusing to quantise "
+            "a non-finite weight (it would poison its whole block)"
+        )

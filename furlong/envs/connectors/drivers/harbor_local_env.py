@@ -45,8 +45,13 @@ from harbor.environments.capabilities import EnvironmentCapabilities
 from harbor.models.trial.paths import EnvironmentPaths
 
 PRIVATE = {"tmp", "root", "logs", "tests", "solution", "proc"}  # fresh in every trial; proc is bound as itself
-BASE_ENV = {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "HOME": "/root",
-            "LANG": "C.UTF-8", "TERM": "xterm-256color", "SHELL": "/bin/bash"}
+BASE_ENV = {
+    "PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+    "HOME": "/root",
+    "LANG": "C.UTF-8",
+    "TERM": "xterm-256color",
+    "SHELL": "/bin/bash",
+}
 MOUNT_SCRIPT = r"""
 set -e
 root="$1"; shift; cwd="$1"; shift
@@ -125,8 +130,10 @@ class LocalEnvironment(BaseEnvironment):
                     shutil.copy2(item, workdir / item.name)
         probe = await self.exec("true", timeout_sec=30)
         if probe.return_code != 0:
-            raise RuntimeError(f"the furlong-local environment cannot enter its root (mount namespaces refused?): "
-                               f"{(probe.stderr or probe.stdout or '').strip()[-500:]}")
+            raise RuntimeError(
+                f"the furlong-local environment cannot enter its root (mount namespaces refused?): "
+                f"{(probe.stderr or probe.stdout or '').strip()[-500:]}"
+            )
 
     async def stop(self, delete: bool) -> None:
         state = getattr(self, "state", None)
@@ -161,22 +168,40 @@ class LocalEnvironment(BaseEnvironment):
                     pass
 
     # ---- commands ------------------------------------------------------------------
-    async def exec(self, command: str, cwd: str | None = None, env: dict[str, str] | None = None,
-                   timeout_sec: int | None = None, user: str | int | None = None) -> ExecResult:
+    async def exec(
+        self,
+        command: str,
+        cwd: str | None = None,
+        env: dict[str, str] | None = None,
+        timeout_sec: int | None = None,
+        user: str | int | None = None,
+    ) -> ExecResult:
         argv = ["unshare", "--mount", "--propagation", "private", "--fork"]
         if os.geteuid() != 0:
             argv += ["--user", "--map-root-user"]
         if self._network_disabled:
             argv += ["--net"]
-        argv += ["/bin/sh", str(self.state / "mount.sh"), str(self.root), cwd or self.workdir,
-                 "/bin/bash", "-c", command]
+        argv += [
+            "/bin/sh",
+            str(self.state / "mount.sh"),
+            str(self.root),
+            cwd or self.workdir,
+            "/bin/bash",
+            "-c",
+            command,
+        ]
         proc_env = {**BASE_ENV, **(self._merge_env(env) or {}), "BINDS": " ".join(self.binds)}
-        proc = await asyncio.create_subprocess_exec(*argv, stdin=asyncio.subprocess.DEVNULL,
-                                                    stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-                                                    env=proc_env, start_new_session=True)
+        proc = await asyncio.create_subprocess_exec(
+            *argv,
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+            env=proc_env,
+            start_new_session=True,
+        )
         try:
             out, err = await asyncio.wait_for(proc.communicate(), timeout_sec)
-        except (TimeoutError, asyncio.TimeoutError, asyncio.CancelledError) as e:
+        except (TimeoutError, asyncio.CancelledError) as e:
             try:
                 os.killpg(proc.pid, signal.SIGKILL)
             except OSError:
@@ -185,8 +210,9 @@ class LocalEnvironment(BaseEnvironment):
             if isinstance(e, asyncio.CancelledError):
                 raise
             return ExecResult(stdout="", stderr=f"command timed out after {timeout_sec} s", return_code=124)
-        return ExecResult(stdout=out.decode(errors="replace"), stderr=err.decode(errors="replace"),
-                          return_code=proc.returncode)
+        return ExecResult(
+            stdout=out.decode(errors="replace"), stderr=err.decode(errors="replace"), return_code=proc.returncode
+        )
 
     # ---- files ---------------------------------------------------------------------
     def _host(self, path: str, *, write: bool) -> Path:

@@ -37,6 +37,8 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 LOCAL = "harbor_local_env:LocalEnvironment"
+
+
 def _load_local_environment() -> None:
     """Make `harbor_local_env` importable by name for Harbor, without putting the other drivers on sys.path."""
     import importlib.util
@@ -55,23 +57,39 @@ async def run(req: dict) -> dict:
 
     _load_local_environment()
     env = req.get("environment") or "furlong-local"
-    environment = (EnvironmentConfig(import_path=LOCAL) if env == "furlong-local"
-                   else EnvironmentConfig(import_path=env) if ":" in env else EnvironmentConfig(type=env))
-    agent = AgentConfig(name=req.get("agent") or "terminus-2", model_name=req.get("model"),
-                        base_url=req.get("base_url"),
-                        kwargs=dict(req.get("agent_kwargs") or {}),
-                        override_timeout_sec=req.get("timeout_s"))
-    config = TrialConfig(task=TaskConfig(path=Path(req["task_dir"])), trials_dir=Path(req["trials_dir"]),
-                         agent=agent, environment=environment)
+    environment = (
+        EnvironmentConfig(import_path=LOCAL)
+        if env == "furlong-local"
+        else EnvironmentConfig(import_path=env)
+        if ":" in env
+        else EnvironmentConfig(type=env)
+    )
+    agent = AgentConfig(
+        name=req.get("agent") or "terminus-2",
+        model_name=req.get("model"),
+        base_url=req.get("base_url"),
+        kwargs=dict(req.get("agent_kwargs") or {}),
+        override_timeout_sec=req.get("timeout_s"),
+    )
+    config = TrialConfig(
+        task=TaskConfig(path=Path(req["task_dir"])),
+        trials_dir=Path(req["trials_dir"]),
+        agent=agent,
+        environment=environment,
+    )
     start = time.monotonic()
     trial = await Trial.create(config)
     result = await trial.run()
     info = result.exception_info
-    return {"rewards": dict(result.verifier_result.rewards or {}) if result.verifier_result else None,
-            "trial_dir": str(Path(req["trials_dir"]) / result.trial_name), "trial_name": result.trial_name,
-            "exception": {"type": info.exception_type, "message": info.exception_message[-2000:]} if info else None,
-            "agent": {"name": result.agent_info.name, "version": result.agent_info.version},
-            "harbor_version": version("harbor"), "seconds": round(time.monotonic() - start, 2)}
+    return {
+        "rewards": dict(result.verifier_result.rewards or {}) if result.verifier_result else None,
+        "trial_dir": str(Path(req["trials_dir"]) / result.trial_name),
+        "trial_name": result.trial_name,
+        "exception": {"type": info.exception_type, "message": info.exception_message[-2000:]} if info else None,
+        "agent": {"name": result.agent_info.name, "version": result.agent_info.version},
+        "harbor_version": version("harbor"),
+        "seconds": round(time.monotonic() - start, 2),
+    }
 
 
 async def _cancel_on_sigterm(coro) -> dict:  # noqa: ANN001

@@ -39,8 +39,10 @@ from pathlib import Path
 MODEL_CONFIG = "responses_api_models/vllm_model/configs/vllm_model.yaml"
 SERVER_TYPES = ("resources_servers", "responses_api_agents", "responses_api_models")
 # Each server process: NeMo Gym's entrypoint run as `python app.py` would, without Ray.
-LAUNCH = ("import runpy, sys, nemo_gym.server_utils as su; su.initialize_ray = lambda: None; "
-          "sys.argv = [sys.argv[1]]; runpy.run_path(sys.argv[0], run_name='__main__')")
+LAUNCH = (
+    "import runpy, sys, nemo_gym.server_utils as su; su.initialize_ray = lambda: None; "
+    "sys.argv = [sys.argv[1]]; runpy.run_path(sys.argv[0], run_name='__main__')"
+)
 
 
 def resolve(spec: dict) -> object:
@@ -51,14 +53,15 @@ def resolve(spec: dict) -> object:
     try:
         return _resolve(spec)
     except Exception as e:  # noqa: BLE001 - NeMo Gym raises many kinds; the message is what matters
-        raise ValueError(f"envs.connector.config_paths / envs.connector.overrides: NeMo Gym could not resolve "
-                         f"the config: {type(e).__name__}: {e}") from None
+        raise ValueError(
+            f"envs.connector.config_paths / envs.connector.overrides: NeMo Gym could not resolve "
+            f"the config: {type(e).__name__}: {e}"
+        ) from None
 
 
 def _resolve(spec: dict) -> object:
-    from omegaconf import OmegaConf
-
     from nemo_gym.global_config import GlobalConfigDictParser, GlobalConfigDictParserConfig
+    from omegaconf import OmegaConf
 
     initial = {
         "config_paths": list(spec.get("config_paths") or []) + ([MODEL_CONFIG] if spec.get("policy_base_url") else []),
@@ -66,13 +69,22 @@ def _resolve(spec: dict) -> object:
         "default_host": "127.0.0.1",
     }
     if spec.get("policy_base_url"):
-        initial |= {"policy_base_url": spec["policy_base_url"], "policy_api_key": "furlong",
-                    "policy_model_name": spec.get("policy_model_name") or "furlong",
-                    "policy_model": {"responses_api_models": {"vllm_model": {
-                        "return_token_id_information": True, "uses_reasoning_parser": False}}}}
+        initial |= {
+            "policy_base_url": spec["policy_base_url"],
+            "policy_api_key": "furlong",
+            "policy_model_name": spec.get("policy_model_name") or "furlong",
+            "policy_model": {
+                "responses_api_models": {
+                    "vllm_model": {"return_token_id_information": True, "uses_reasoning_parser": False}
+                }
+            },
+        }
     merged = OmegaConf.merge(OmegaConf.create(initial), OmegaConf.create(spec.get("overrides") or {}))
-    return GlobalConfigDictParser().parse(GlobalConfigDictParserConfig(
-        initial_global_config_dict=merged, skip_load_from_cli=True, skip_load_from_dotenv=True))
+    return GlobalConfigDictParser().parse(
+        GlobalConfigDictParserConfig(
+            initial_global_config_dict=merged, skip_load_from_cli=True, skip_load_from_dotenv=True
+        )
+    )
 
 
 def instances(config: object) -> list[dict]:
@@ -89,10 +101,18 @@ def instances(config: object) -> list[dict]:
         impl = next(iter(section[kind].keys()))
         inner = section[kind][impl]
         if "entrypoint" in inner:
-            out.append({"name": name, "type": kind, "impl": impl, "entrypoint": inner["entrypoint"],
-                        "host": inner["host"], "port": int(inner["port"]),
-                        "url": f"http://{inner['host']}:{inner['port']}",
-                        "section": inner})
+            out.append(
+                {
+                    "name": name,
+                    "type": kind,
+                    "impl": impl,
+                    "entrypoint": inner["entrypoint"],
+                    "host": inner["host"],
+                    "port": int(inner["port"]),
+                    "url": f"http://{inner['host']}:{inner['port']}",
+                    "section": inner,
+                }
+            )
     return out
 
 
@@ -124,12 +144,11 @@ def _up(url: str) -> bool:
 
 
 def serve(spec: dict) -> int:
-    import uvicorn
-    from omegaconf import OmegaConf
-
-    from nemo_gym.config_types import BaseServerConfig
     import nemo_gym.global_config as gc
+    import uvicorn
+    from nemo_gym.config_types import BaseServerConfig
     from nemo_gym.server_utils import HeadServer
+    from omegaconf import OmegaConf
 
     try:
         config = resolve(spec)
@@ -145,9 +164,14 @@ def serve(spec: dict) -> int:
     for s in servers:
         env = {**os.environ, "NEMO_GYM_CONFIG_DICT": config_yaml, "NEMO_GYM_CONFIG_PATH": s["name"]}
         with open(logs / f"{s['name']}.log", "ab") as log:
-            procs[s["name"]] = subprocess.Popen([sys.executable, "-c", LAUNCH, s["entrypoint"]],
-                                                cwd=server_dir(s["type"], s["impl"]), env=env, stdout=log,
-                                                stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)
+            procs[s["name"]] = subprocess.Popen(
+                [sys.executable, "-c", LAUNCH, s["entrypoint"]],
+                cwd=server_dir(s["type"], s["impl"]),
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                preexec_fn=_die_with_parent,
+            )
     public = [{k: s[k] for k in ("name", "type", "impl", "url")} for s in servers]
     ready = threading.Event()
     head = HeadServer(config=BaseServerConfig(host="127.0.0.1", port=int(spec["head_port"])))
@@ -160,8 +184,12 @@ def serve(spec: dict) -> int:
 
         return JSONResponse({"ready": ready.is_set(), "servers": public}, status_code=200 if ready.is_set() else 503)
 
-    threading.Thread(target=uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=int(spec["head_port"]),
-                                                          log_level="warning")).run, daemon=True).start()
+    threading.Thread(
+        target=uvicorn.Server(
+            uvicorn.Config(app, host="127.0.0.1", port=int(spec["head_port"]), log_level="warning")
+        ).run,
+        daemon=True,
+    ).start()
 
     def stop(*_: object) -> None:
         for p in procs.values():

@@ -28,19 +28,25 @@ def main(request: dict) -> dict:
     names = [s["name"] for s in agents]
     chosen = [s for s in agents if request.get("agent") in (None, s["name"])]
     if len(chosen) != 1:
-        return {"error": f"envs.connector.agent: {request.get('agent')!r} picks {len(chosen)} of the agent servers "
-                         f"{names} in {request.get('config_paths')}; name one"}
+        return {
+            "error": f"envs.connector.agent: {request.get('agent')!r} picks {len(chosen)} of the agent servers "
+            f"{names} in {request.get('config_paths')}; name one"
+        }
     datasets = list(chosen[0]["section"].get("datasets") or [])
     want = request.get("dataset") or "example"
     found = [d for d in datasets if want in (d.get("name"), d.get("type"))]
     if not found:
-        return {"error": f"envs.connector.dataset: agent {chosen[0]['name']} has no dataset named or typed {want!r}; "
-                         f"it has {[(d.get('name'), d.get('type')) for d in datasets]}"}
+        return {
+            "error": f"envs.connector.dataset: agent {chosen[0]['name']} has no dataset named or typed {want!r}; "
+            f"it has {[(d.get('name'), d.get('type')) for d in datasets]}"
+        }
     rel = Path(found[0]["jsonl_fpath"])
     path = next((p for p in (rel, Path.cwd() / rel, PARENT_DIR / rel) if p.is_file()), None)
     if path is None:
-        return {"error": f"envs.connector.dataset: {want!r} file {rel} is not here (NeMo Gym downloads it with "
-                         f"`gym dataset collate --download`; furlong reads only files that are present)"}
+        return {
+            "error": f"envs.connector.dataset: {want!r} file {rel} is not here (NeMo Gym downloads it with "
+            f"`gym dataset collate --download`; furlong reads only files that are present)"
+        }
     rows = []
     for n, line in enumerate(path.read_text().splitlines(), 1):
         if line.strip():

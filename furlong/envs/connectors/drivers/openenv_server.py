@@ -36,8 +36,13 @@ def echo_app(workdir: Path, max_sessions: int):
     sys.path.insert(0, str(workdir))
     models = importlib.import_module("echo_env.models")
     server = importlib.import_module("echo_env.server.echo_env_environment")
-    return create_app(server.EchoEnvironment, models.EchoAction, models.EchoObservation, env_name="echo_env",
-                      max_concurrent_envs=max_sessions)
+    return create_app(
+        server.EchoEnvironment,
+        models.EchoAction,
+        models.EchoObservation,
+        env_name="echo_env",
+        max_concurrent_envs=max_sessions,
+    )
 
 
 def directory_app(root: Path):
@@ -71,8 +76,10 @@ def main() -> int:
     elif ":" in a.env:
         app = module_app(a.env)
     else:
-        print(f"openenv_server: unknown environment {a.env!r}: not 'echo', an environment directory, or MODULE:APP",
-              file=sys.stderr)
+        print(
+            f"openenv_server: unknown environment {a.env!r}: not 'echo', an environment directory, or MODULE:APP",
+            file=sys.stderr,
+        )
         return 2
     import uvicorn
 

@@ -61,8 +61,9 @@ class Loaded:
         try:
             self.env = load_environment(resolve_env_config(config))
         except Exception as e:  # noqa: BLE001 - config validation and taskset construction
-            raise DriverError(f"{FIELD}: verifiers rejected the env config {json.dumps(config)}: "
-                              f"{type(e).__name__}: {e}") from None
+            raise DriverError(
+                f"{FIELD}: verifiers rejected the env config {json.dumps(config)}: {type(e).__name__}: {e}"
+            ) from None
         taskset = self.env.taskset
         if limit is not None:
             taskset = taskset.take(limit)
@@ -71,22 +72,30 @@ class Loaded:
         try:
             self.tasks = list(taskset)
         except Exception as e:  # noqa: BLE001 - the taskset's own load() failed on its config
-            raise DriverError(f"{FIELD}.taskset_args: taskset {taskset_id!r} failed to load its tasks: "
-                              f"{type(e).__name__}: {e}") from None
+            raise DriverError(
+                f"{FIELD}.taskset_args: taskset {taskset_id!r} failed to load its tasks: {type(e).__name__}: {e}"
+            ) from None
         self.taskset_id = taskset_id
 
     def describe(self) -> dict[str, Any]:
-        return {"tasks": [_task_row(t) for t in self.tasks], "taskset": type(self.env.taskset).__name__,
-                "env_class": type(self.env).__name__, "version": _version()}
+        return {
+            "tasks": [_task_row(t) for t in self.tasks],
+            "taskset": type(self.env.taskset).__name__,
+            "env_class": type(self.env).__name__,
+            "version": _version(),
+        }
 
     def task(self, idx: int, key: str | None) -> Any:
         if not 0 <= idx < len(self.tasks):
-            raise DriverError(f"task idx {idx} is out of range: taskset {self.taskset_id!r} has "
-                              f"{len(self.tasks)} tasks")
+            raise DriverError(
+                f"task idx {idx} is out of range: taskset {self.taskset_id!r} has {len(self.tasks)} tasks"
+            )
         task = self.tasks[idx]
         if key is not None and task.key != key:
-            raise DriverError(f"task {idx} of taskset {self.taskset_id!r} changed since its prompt was listed "
-                              f"(key {task.key[:12]} != {key[:12]})")
+            raise DriverError(
+                f"task {idx} of taskset {self.taskset_id!r} changed since its prompt was listed "
+                f"(key {task.key[:12]} != {key[:12]})"
+            )
         return task
 
 
@@ -115,8 +124,9 @@ async def episode(loaded: Loaded, req: dict[str, Any]) -> dict[str, Any]:
 
     task = loaded.task(int(req["idx"]), req.get("key"))
     client = vf.EvalClientConfig(base_url=req["base_url"], api_key_var="FURLONG_VERIFIERS_API_KEY")
-    ctx = vf.ModelContext(client=client, model=req.get("model") or "furlong",
-                          sampling=vf.SamplingConfig(**(req.get("sampling") or {})))
+    ctx = vf.ModelContext(
+        client=client, model=req.get("model") or "furlong", sampling=vf.SamplingConfig(**(req.get("sampling") or {}))
+    )
     result = await loaded.env.run_slot(RunSlot(task), ctx)
     traces = list(result.traces)
     truncated = False
@@ -125,17 +135,28 @@ async def episode(loaded: Loaded, req: dict[str, Any]) -> dict[str, Any]:
             if not trace.rewards:
                 await task.score(trace)  # the task's own rubric, on what the trace holds
             truncated = True
-    rewards = {name: {"score": r.score, "weight": r.weight} for t in traces for name, r in t.rewards.items()
-               if r is not None}
+    rewards = {
+        name: {"score": r.score, "weight": r.weight} for t in traces for name, r in t.rewards.items() if r is not None
+    }
     errors = [f"{e.type}: {e.message}" for e in result.errors] + [
-        f"{e.type}: {e.message}" for t in traces for e in t.errors]
-    return {"reward": sum(t.reward for t in traces), "rewards": rewards,
-            "metrics": {k: v for t in traces for k, v in t.metrics.items()},
-            "ok": bool(result.ok), "truncated": truncated, "scored": bool(rewards),
-            "stop": [t.stop_condition for t in traces], "turns": sum(t.num_turns for t in traces),
-            "replies": [m.content or "" for t in traces for m in t.assistant_messages], "errors": errors,
-            "seconds": {k: round(sum(_duration(t.timing, k) for t in traces), 3)
-                        for k in ("setup", "agent", "model", "harness", "scoring")}}
+        f"{e.type}: {e.message}" for t in traces for e in t.errors
+    ]
+    return {
+        "reward": sum(t.reward for t in traces),
+        "rewards": rewards,
+        "metrics": {k: v for t in traces for k, v in t.metrics.items()},
+        "ok": bool(result.ok),
+        "truncated": truncated,
+        "scored": bool(rewards),
+        "stop": [t.stop_condition for t in traces],
+        "turns": sum(t.num_turns for t in traces),
+        "replies": [m.content or "" for t in traces for m in t.assistant_messages],
+        "errors": errors,
+        "seconds": {
+            k: round(sum(_duration(t.timing, k) for t in traces), 3)
+            for k in ("setup", "agent", "model", "harness", "scoring")
+        },
+    }
 
 
 def _duration(timing: Any, stage: str) -> float:
