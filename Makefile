@@ -23,6 +23,7 @@ $(STAMP): pyproject.toml constraints.txt
 
 setup: $(STAMP)
 	@command -v chromium >/dev/null || ./scripts/install-chromium.sh || echo "chromium not installed: browser tests will fail"
+	@command -v bwrap >/dev/null || ./scripts/install-bubblewrap.sh || echo "bubblewrap not installed: the local sandbox will refuse to run code"
 
 # The connector packages' own virtual environments (OpenEnv, Verifiers, NeMo Gym, Harbor), built
 # side by side when missing and cached under ~/.cache/furlong/envs; a no-op when they are.

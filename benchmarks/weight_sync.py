@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -35,8 +34,10 @@ from pathlib import Path
 
 import torch
 
+from furlong.core.net import free_port
+from furlong.weights.factory import TRANSPORTS
+
 TOKEN = "bench"
-TRANSPORTS = ("shm", "broadcast", "p2p", "disk", "delta")
 
 
 def memcpy_gbps(nbytes: int) -> tuple[float, float]:
@@ -76,17 +77,11 @@ def build_100m(dest: Path) -> Path:
     return dest
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def start_engine(model: Path, threads: int) -> tuple[subprocess.Popen, str]:
     import httpx
 
     port = free_port()
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "FURLONG_ADMIN_TOKEN": TOKEN}  # never on the command line
     proc = subprocess.Popen(
         [
             sys.executable,
@@ -97,8 +92,6 @@ def start_engine(model: Path, threads: int) -> tuple[subprocess.Popen, str]:
             str(model),
             "--port",
             str(port),
-            "--admin-token",
-            TOKEN,
             "--kv-cache-mb",
             "16",
             "--threads",

@@ -6,7 +6,7 @@ until the model answers or the turn limit is reached. Point it at a furlong TITO
 session (`base_url = <sessions server>/sessions/<id>/v1`) and every token of the
 episode is recorded exactly, ready for training — the agent needs no change.
 
-    furlong serve --model DIR --port 30000 --admin-token T &
+    FURLONG_ADMIN_TOKEN=T furlong serve --model DIR --port 30000 &
     furlong envs sessions --engine http://127.0.0.1:30000 --port 31000 &
     python examples/agent_openai_client/agent.py --sessions http://127.0.0.1:31000
 

@@ -8,7 +8,7 @@ first byte moves, stamps the new weight version once, after the last bucket, and
 `verify=True` compares the engine's CRC32 of every tensor with what was sent.
 
     furlong models create --arch qwen3 --size tiny            # prints DIR
-    furlong serve --model DIR --port 30001 --admin-token T &
+    FURLONG_ADMIN_TOKEN=T furlong serve --model DIR --port 30001 &
     python examples/weight_sync/push_weights.py --engine http://127.0.0.1:30001 \
         --admin-token T --weights DIR2 --transport shm --version 1
 

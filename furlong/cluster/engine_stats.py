@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 
-import httpx
+from furlong.core.client import EngineClient, EngineError
 
 
 def parse_prometheus(text: str, prefix: str = "furlong_engine_") -> dict[str, float]:
@@ -27,14 +27,14 @@ class EngineStats:
         self.urls, self.timeout_s = list(urls), timeout_s
         self._last: dict[str, tuple[float, float]] = {}
 
-    async def _one(self, client: httpx.AsyncClient, i: int, url: str) -> dict[str, float]:
+    async def _one(self, i: int, url: str) -> dict[str, float]:
         key = f"engine/{i}"
         try:
-            r = await client.get(f"{url}/metrics")
-            r.raise_for_status()
-        except httpx.HTTPError:
+            async with EngineClient(url, timeout_s=self.timeout_s, max_retries=0) as client:
+                text = await client.metrics()
+        except EngineError:
             return {f"{key}/healthy": 0.0}
-        m, now = parse_prometheus(r.text), time.monotonic()
+        m, now = parse_prometheus(text), time.monotonic()
         tokens = m.get("generation_tokens_total", 0.0)
         out = {
             f"{key}/healthy": 1.0,
@@ -48,6 +48,5 @@ class EngineStats:
         return out
 
     async def poll(self) -> dict[str, float]:
-        async with httpx.AsyncClient(timeout=self.timeout_s) as client:
-            parts = await asyncio.gather(*(self._one(client, i, u) for i, u in enumerate(self.urls)))
+        parts = await asyncio.gather(*(self._one(i, u) for i, u in enumerate(self.urls)))
         return {k: v for part in parts for k, v in part.items()}

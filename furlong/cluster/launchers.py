@@ -5,13 +5,17 @@ same HTTP contract) that a `ProcessActor` owns, or, with `cluster.colocate`, the
 built-in engine inside trainer rank 0. Every engine setting reaches both forms:
 the process gets it as flags (`furlong.engine.launch.engine_argv` owns each backend's
 spelling), the colocated engine as `Engine(...)` keyword arguments.
+
+The admin token is never on a command line (any local user reads those): each command is a
+`core.processes.Command` whose `env` carries it, and the process manager hands that to the
+child's environment.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from furlong.core.processes import furlong_argv
+from furlong.core.processes import Command, furlong_argv, token_env
 
 if TYPE_CHECKING:
     from furlong.config.schema import EngineConfig, RouterConfig
@@ -24,8 +28,8 @@ def check_backend(engine: EngineConfig) -> None:
     require_backend(engine.backend)
 
 
-def engine_command(engine: EngineConfig, *, model_dir: str, port: int, admin_token: str, threads: int) -> list[str]:
-    """The argv of one engine process, for the launcher `engine.backend` names."""
+def engine_command(engine: EngineConfig, *, model_dir: str, port: int, admin_token: str, threads: int) -> Command:
+    """The argv (and, in its `env`, the admin token) of one engine process, for the launcher `engine.backend` names."""
     from furlong.engine.launch import engine_argv
 
     return engine_argv(
@@ -59,10 +63,10 @@ def colocated_engine_kwargs(engine: EngineConfig) -> dict[str, Any]:
     )
 
 
-def router_command(router: RouterConfig, *, engine_urls: list[str], port: int, admin_token: str) -> list[str]:
-    """The argv of the `furlong router` process in front of `engine_urls`."""
+def router_command(router: RouterConfig, *, engine_urls: list[str], port: int, admin_token: str) -> Command:
+    """The argv (and, in its `env`, the admin token) of the `furlong router` process in front of `engine_urls`."""
     engines = [arg for url in engine_urls for arg in ("--engine", url)]
-    return furlong_argv(
+    argv = furlong_argv(
         "router",
         *engines,
         "--host",
@@ -71,7 +75,6 @@ def router_command(router: RouterConfig, *, engine_urls: list[str], port: int, a
         str(port),
         "--policy",
         router.policy,
-        f"--admin-token={admin_token}",
         "--health-interval",
         str(router.health_interval_s),
         "--health-timeout",
@@ -81,3 +84,4 @@ def router_command(router: RouterConfig, *, engine_urls: list[str], port: int, a
         "--max-retries",
         str(router.max_retries),
     )
+    return Command(argv, token_env(admin_token))

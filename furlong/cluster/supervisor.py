@@ -32,6 +32,19 @@ trainer's push succeeds, the sync advances the run's `WeightVersion` (under the
 lock, so a re-sync never stamps new weights with the old version). A lock keeps a
 sync and a re-sync from interleaving.
 
+The router is watched the same way (`ProcessActor.alive()` and its `/health`): when
+it exits or stops answering it is restarted (same command: same port, same engines),
+and the engines that are not serving at that moment are removed from the new router
+again. Router calls of a replacement in progress wait for it to come back.
+
+No livelock: while no engine is serving (every one being replaced, pending, or given
+up) or the router is down, prompts would fail and be drawn again forever. So the
+supervisor times it: after `cluster.no_engine_timeout_s` of that (at once when nothing
+can come back: every engine, or the router, given up), it records `EnginesLost`,
+naming what died and its log file under RUN_DIR/logs, and `guard()` ends the work it
+wraps (the driver's run) with that error; the driver adds the last checkpoint and the
+`--resume` command (`furlong.driver.restarts`).
+
 A dead trainer is not this module's: `TrainerDied` passes through to the driver's
 restart policy (`furlong.driver.restarts`).
 """
@@ -41,10 +54,10 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import httpx
 
@@ -54,7 +67,9 @@ from furlong.core.version import WeightVersion
 
 if TYPE_CHECKING:
     from furlong.cluster.topology import Topology
-    from furlong.config.schema import RouterConfig, WeightsConfig
+    from furlong.config.schema import ClusterConfig, RouterConfig, WeightsConfig
+
+T = TypeVar("T")
 
 OK, RESTARTING, PENDING, FAILED = "ok", "restarting", "pending", "failed"
 MAX_RESTART_ATTEMPTS = 3  # per fault: a restart that keeps failing leaves the engine out
@@ -63,7 +78,7 @@ CONTROL_TIMEOUT_S = 60.0  # pause / continue of one engine
 
 
 class EnginesLost(RuntimeError):
-    """Every engine is gone and none could be restarted: the run cannot go on."""
+    """No engine (or no router) can serve, and none came back in time: the run cannot go on."""
 
 
 @dataclass
@@ -86,6 +101,7 @@ class EngineSupervisor:
         *,
         router: RouterConfig,
         weights: WeightsConfig,
+        cluster: ClusterConfig,
         pause_mode: str,
         admin_token: str,
         run_dir: Path,
@@ -100,6 +116,13 @@ class EngineSupervisor:
         self.transport = weights.transport
         self.push_opts = {"bucket_mb": weights.bucket_mb, "run_dir": str(run_dir), "verify": weights.verify}
         self.slots = [EngineSlot(i, u.rstrip("/"), a) for i, (u, a) in enumerate(zip(top.engine_urls, top.engines))]
+        self.router = EngineSlot(-1, top.router_url.rstrip("/"), top.router) if top.router is not None else None
+        self.router_faults: list[dict[str, Any]] = []  # one record per router fault
+        self.no_engine_timeout = cluster.no_engine_timeout_s
+        self.logs = Path(run_dir) / "logs"
+        self.lost: EnginesLost | None = None  # set once nothing could serve for too long: the run stops
+        self._lost_event = asyncio.Event()
+        self._down_since: float | None = None
         self._clients: dict[str, EngineClient] = {}  # control calls (pause / continue), one client per engine
         self.counts: Counter[str] = Counter()
         self.faults: list[dict[str, Any]] = []  # one record per fault: engine, cause, seconds to recover
@@ -126,7 +149,28 @@ class EngineSupervisor:
         self._clients.clear()
 
     def stats(self) -> dict[str, Any]:
-        return {"engines": {s.url: s.state for s in self.slots}, **self.counts, "fault_log": list(self.faults)}
+        out = {"engines": {s.url: s.state for s in self.slots}, **self.counts, "fault_log": list(self.faults)}
+        if self.router is not None:
+            out.update(router=self.router.state, router_fault_log=list(self.router_faults))
+        return out
+
+    async def guard(self, work: Awaitable[T]) -> T:
+        """`work`'s result; it is cancelled and `EnginesLost` raised instead once nothing can serve (`lost`)."""
+        task = asyncio.ensure_future(work)
+        lost = asyncio.ensure_future(self._lost_event.wait())
+        try:
+            await asyncio.wait({task, lost}, return_when=asyncio.FIRST_COMPLETED)
+        except BaseException:
+            task.cancel()
+            raise
+        finally:
+            lost.cancel()
+        if task.done():
+            return task.result()
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        assert self.lost is not None
+        raise self.lost
 
     async def wait_all_serving(self, timeout_s: float = 300.0) -> None:
         """Until every engine is serving again (tests and tools; the run itself never waits for this)."""
@@ -144,21 +188,101 @@ class EngineSupervisor:
                 await self.check()
             except Exception as e:  # noqa: BLE001 - a failed round must never end supervision
                 self.note(f"supervisor: health round failed: {type(e).__name__}: {e}")
+            self.watch_serving()
 
     async def check(self, force: bool = False) -> list[EngineSlot]:
-        """Probe every serving engine once; replace the dead ones (with `force`, one failed probe is enough)."""
+        """Probe every serving engine and the router once; replace the dead ones.
+
+        With `force` (a sync failed), one failed probe is enough for an engine."""
         up = [s for s in self.slots if s.state in (OK, PENDING)]
-        problems = await asyncio.gather(*(self._probe(s) for s in up))
+        router = [self.router] if self.router is not None and self.router.state == OK else []
+        problems = await asyncio.gather(*(self._probe(s) for s in up + router))
         dead = []
-        for s, (exited, problem) in zip(up, problems):
+        for s, (exited, problem) in zip(up + router, problems):
             if problem is None:
                 s.failed_probes = 0
                 continue
             s.failed_probes += 1
-            if s.state in (OK, PENDING) and (exited or force or s.failed_probes >= self.unhealthy_after):
-                self._replace(s, problem, "exited" if exited else "unresponsive")
-                dead.append(s)
+            engine_force = force and s is not self.router
+            if s.state in (OK, PENDING) and (exited or engine_force or s.failed_probes >= self.unhealthy_after):
+                kind = "exited" if exited else "unresponsive"
+                if s is self.router:
+                    self._replace_router(s, problem, kind)
+                else:
+                    self._replace(s, problem, kind)
+                    dead.append(s)
         return dead
+
+    # ------------------------------------------------------------------ no livelock
+    def _name(self, s: EngineSlot) -> str:
+        return "router" if s is self.router else f"engine-{s.index}"
+
+    def watch_serving(self) -> None:
+        """Record `lost` when nothing can serve: after `no_engine_timeout`, or at once when nothing can come back."""
+        if self.lost is not None:
+            return
+        engines_down = bool(self.slots) and not any(s.state == OK for s in self.slots)
+        router_down = self.router is not None and self.router.state != OK
+        if not (engines_down or router_down):
+            self._down_since = None
+            return
+        now = time.monotonic()
+        self._down_since = self._down_since if self._down_since is not None else now
+        hopeless = (bool(self.slots) and all(s.state == FAILED for s in self.slots)) or (
+            self.router is not None and self.router.state == FAILED
+        )
+        if not hopeless and now - self._down_since < self.no_engine_timeout:
+            return
+        down = [s for s in self.slots if s.state != OK] + ([self.router] if router_down else [])
+        what = "; ".join(
+            f"{self._name(s)} ({s.url}) {s.state}"
+            + (f" after {s.fault['cause']}" if s.fault else "")
+            + f", log {self.logs / (self._name(s) + '.log')}"
+            for s in down
+        )
+        why = "none of them can come back" if hopeless else f"for {self.no_engine_timeout:g}s"
+        self.lost = EnginesLost(
+            f"no engine could serve ({why}; cluster.no_engine_timeout_s={self.no_engine_timeout:g}): {what}"
+        )
+        self.note(str(self.lost))
+        self._lost_event.set()
+
+    # ------------------------------------------------------------------ the router
+    def _replace_router(self, s: EngineSlot, cause: str, kind: str) -> None:
+        s.state = RESTARTING
+        self.counts["router_faults"] += 1
+        record = {"url": s.url, "kind": kind, "cause": cause, "failed_probes": s.failed_probes, "recovered": False}
+        self.router_faults.append(record)
+        s.fault, s.since = record, time.monotonic()
+        self.note(f"router ({s.url}): {cause}; restarting it (same port, same engines)")
+        task = asyncio.create_task(self._recover_router(s), name="restart-router")
+        self._recoveries.add(task)
+        task.add_done_callback(self._recoveries.discard)
+
+    async def _recover_router(self, s: EngineSlot) -> None:
+        for attempt in range(1, MAX_RESTART_ATTEMPTS + 1):
+            try:
+                await s.actor.restart.remote()
+                break
+            except Exception as e:  # noqa: BLE001 - reported, then tried again
+                self.counts["router_restart_failures"] += 1
+                self.note(f"router: restart {attempt}/{MAX_RESTART_ATTEMPTS} failed: {e}")
+                await asyncio.sleep(self.interval)
+        else:
+            s.state = FAILED
+            self.note(f"router: gave up after {MAX_RESTART_ATTEMPTS} restarts")
+            self.watch_serving()
+            return
+        s.state, s.failed_probes = OK, 0
+        try:  # the new router starts with every engine: those not serving now must stay out
+            for e in [e for e in self.slots if e.state != OK]:
+                await self._router("/remove_engine", e.url)
+        except Exception as e:  # noqa: BLE001 - reported; the engine's own replacement removes it again
+            self.note(f"router: removing the engines being replaced failed: {type(e).__name__}: {e}")
+        self.counts["router_restarts"] += 1
+        if s.fault is not None:
+            s.fault.update(recovered=True, seconds=round(time.monotonic() - s.since, 2))
+        self.note(f"router ({s.url}) restarted and serving again")
 
     async def _probe(self, s: EngineSlot) -> tuple[bool, str | None]:
         """(process exited, problem or None)."""
@@ -244,12 +368,21 @@ class EngineSupervisor:
         self.note(f"engine-{s.index} ({s.url}) replaced, re-synced to v{self.version.current} and serving again")
 
     async def _router(self, path: str, url: str) -> None:
-        r = await self._http.post(
-            self.top.router_url + path,
-            json={"url": url},
-            headers={"Authorization": f"Bearer {self.token}"},
-            timeout=30.0,
-        )
+        """A router call; while the router is down (being restarted), it is tried again until it is back."""
+        deadline = time.monotonic() + self.no_engine_timeout
+        while True:
+            try:
+                r = await self._http.post(
+                    self.top.router_url + path,
+                    json={"url": url},
+                    headers={"Authorization": f"Bearer {self.token}"},
+                    timeout=30.0,
+                )
+                break
+            except httpx.TransportError:
+                if time.monotonic() > deadline or (self.router is not None and self.router.state == FAILED):
+                    raise
+                await asyncio.sleep(self.interval)
         if r.status_code not in (200, 404):  # 404: already removed
             raise RuntimeError(f"router {path} {url}: HTTP {r.status_code}: {r.text[:200]}")
 
@@ -259,6 +392,8 @@ class EngineSupervisor:
 
     async def _some_engine_up(self) -> None:
         while self.slots and not self._targets():  # all being replaced: the run waits for the first one back
+            if self.lost is not None:
+                raise self.lost
             if all(s.state == FAILED for s in self.slots):
                 raise EnginesLost(
                     "weight sync: no engine is left (every restart failed); see RUN_DIR/logs/engine-*.log"

@@ -24,7 +24,8 @@ import ray
 
 from furlong.cluster.launchers import check_backend, colocated_engine_kwargs, engine_command, router_command
 from furlong.cluster.trainer_group import TrainerGroup
-from furlong.core.processes import REAPER_MARK, free_port, reaper_mark, start_reaper
+from furlong.core.net import free_port
+from furlong.core.processes import REAPER_MARK, reaper_mark, start_reaper
 
 if TYPE_CHECKING:
     from furlong.config.schema import AlgoConfig, ClusterConfig, EngineConfig, RouterConfig, TrainConfig

@@ -94,7 +94,6 @@ DEFAULTS_FROM: tuple[tuple[str, str], ...] = (
 # feature is built.
 NOT_BUILT: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
     ("engine.quantization", lambda v: v != "none", "quantised rollout weights (FP8/MXFP8/NVFP4)"),
-    ("train.qat", lambda v: v != "none", "INT4 quantisation-aware training"),
     ("rollout.routing_replay", bool, "replaying MoE routing in the trainer (engines already record it)"),
     ("rollout.rollout_fn", lambda v: v is not None, "replacing the whole rollout step"),
     ("algo.teacher_path", lambda v: v is not None, "distillation from a teacher model"),
@@ -328,6 +327,13 @@ def _check_train(cfg: ConfigView, bad: Bad) -> None:
             "train.lora.enabled=true syncs weights merged from the base and the adapters, which "
             "weights.transport=p2p (each rank sends its own shards of the base) cannot carry; "
             "use shm, broadcast, disk or delta",
+        )
+    if tr.qat != "none" and tr.lora.enabled:
+        bad(
+            ("train.qat", "train.lora.enabled"),
+            f"train.qat={tr.qat} with train.lora.enabled=true is not supported: the rollout would quantise "
+            "the merged W + B·A, which a fake-quantised base plus a full-precision adapter does not equal; "
+            "use one or the other",
         )
 
 

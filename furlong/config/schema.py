@@ -204,8 +204,9 @@ class TrainConfig(Section):
     qat: Literal["none", "int4"] = "none"  # quantisation-aware training of the weights
     gradient_checkpointing: bool = False
     ref_update_every: int = Field(0, ge=0)  # RL steps; 0 = the reference model stays frozen
-    checkpoint_every: int = Field(0, ge=0)  # RL steps; 0 = only at the end
-    keep_checkpoints: int | None = Field(None, ge=1)  # None = keep all
+    checkpoint_every: int = Field(50, ge=0)  # RL steps between checkpoints; 0 = by time (or only at the end)
+    checkpoint_every_min: float = Field(30.0, ge=0)  # minutes between checkpoints (whichever comes first); 0 = off
+    keep_checkpoints: int | None = Field(3, ge=1)  # the newest N complete checkpoints; None = keep all
     max_nonfinite_steps: int = Field(3, ge=1)  # NaN/inf losses in a row before the run stops
     sft_steps: int = Field(0, ge=0)  # SFT warm-up steps before RL
     sft_lr: float | None = Field(None, gt=0)  # learning rate of the SFT warm-up; None -> lr
@@ -273,6 +274,7 @@ class ClusterConfig(Section):
     num_gpus: int | None = Field(None, ge=0)
     auto_restart: bool = False  # restart a dead trainer from its last checkpoint
     threads_per_process: int | None = Field(None, ge=1)  # None = cores / processes
+    no_engine_timeout_s: float = Field(300.0, gt=0)  # no engine (or router) serving this long: the run stops
 
 
 class ObserveConfig(Section):
@@ -303,6 +305,7 @@ class EnvsConfig(Section):
     memory_mb: int = Field(1024, ge=16)  # sandbox memory limit
     max_output_bytes: int = Field(65536, ge=1)  # sandbox output cap
     network: bool = False  # allow network inside the sandbox
+    sandbox_unsafe_allow: bool = False  # run local sandboxes without bwrap namespaces (rlimits + Landlock only)
     connector: dict[str, Any] = Field(default_factory=dict)  # passed through to the connector
 
 

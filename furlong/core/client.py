@@ -44,6 +44,7 @@ from furlong.core.api import (
     GENERATE,
     HEALTH,
     INIT_GROUP,
+    METRICS,
     MODEL_INFO,
     PAUSE,
     PAUSE_MODES,
@@ -251,6 +252,27 @@ class EngineClient(_Endpoint):
 
     async def resume(self) -> None:
         await self._post(CONTINUE, {})
+
+    async def health(self) -> None:
+        """GET /health; raises EngineError (status None when unreachable or timed out)."""
+        await self._get(HEALTH)
+
+    async def metrics(self) -> str:
+        """GET /metrics: the engine's Prometheus text."""
+        try:
+            resp = await self._http.get(METRICS)
+        except httpx.TransportError as e:
+            raise self._unreachable("GET", METRICS, e) from e
+        if resp.status_code != 200:
+            raise EngineError(f"GET {self.url}{METRICS}: HTTP {resp.status_code}: {error_text(resp)}", resp.status_code)
+        return resp.text
+
+    async def _get(self, path: str) -> Any:
+        try:
+            resp = await self._http.get(path, headers=self._headers(path))
+        except httpx.TransportError as e:
+            raise self._unreachable("GET", path, e) from e
+        return self._reply("GET", path, resp)
 
     async def _post(self, path: str, body: dict[str, Any]) -> Any:
         try:

@@ -19,13 +19,42 @@ from pathlib import Path
 import httpx
 
 
-def thread_env(threads: int | None) -> dict[str, str]:
-    """Environment that caps a child's math threads, so N processes share the cores instead of fighting."""
+ADMIN_TOKEN_ENV = "FURLONG_ADMIN_TOKEN"  # how a server furlong starts gets the run's admin token
+
+
+class Command(list):
+    """An argv plus the environment its process needs: secrets travel in `env`, never in the argv.
+
+    Any local user reads every process's `/proc/<pid>/cmdline`, but only the process's own
+    user reads its `/proc/<pid>/environ`. A `Command` is still a list (every caller that
+    builds, inspects or pickles an argv keeps working, Ray included), and `ManagedProcess`
+    adds its `env` to the child's environment.
+    """
+
+    def __init__(self, argv: list[str] = (), env: dict[str, str] | None = None):
+        super().__init__(argv)
+        self.env = dict(env or {})
+
+    def __repr__(self) -> str:  # never print a secret: the values of `env` are left out
+        return f"Command({list(self)!r}, env={sorted(self.env)})"
+
+
+def token_env(admin_token: str | None) -> dict[str, str]:
+    """The environment entry that hands `admin_token` to a furlong server (empty when there is none)."""
+    return {ADMIN_TOKEN_ENV: admin_token} if admin_token else {}
+
+
+def thread_env(threads: int | None, extra: dict[str, str] | None = None) -> dict[str, str]:
+    """Environment that caps a child's math threads, so N processes share the cores instead of fighting.
+
+    `extra` (a child's own variables, e.g. its admin token) is added last.
+    """
     env = dict(os.environ)
     if threads:
         for k in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
             env[k] = str(threads)
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    env.update(extra or {})
     return env
 
 
@@ -45,8 +74,24 @@ class ProcessFailed(RuntimeError):
 
 
 class ManagedProcess:
-    def __init__(self, name: str, argv: list[str], url: str, log_path: str | Path, threads: int | None = None):
+    """One server process: started, health-waited, stopped and restarted with the same command.
+
+    `env` adds variables to the child's environment (over this process's own), after those
+    of a `Command` argv; this is how a secret such as the admin token reaches the child
+    without appearing in its command line.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        argv: list[str],
+        url: str,
+        log_path: str | Path,
+        threads: int | None = None,
+        env: dict[str, str] | None = None,
+    ):
         self.name, self.argv, self.url = name, list(argv), url
+        self.env = {**getattr(argv, "env", {}), **(env or {})}
         self.log_path = Path(log_path)
         self.threads = threads
         self.proc: subprocess.Popen | None = None
@@ -66,7 +111,7 @@ class ManagedProcess:
             self.argv,
             stdout=log,
             stderr=subprocess.STDOUT,
-            env=thread_env(self.threads),
+            env=thread_env(self.threads, self.env),
             start_new_session=True,
             preexec_fn=_die_with_parent,
         )

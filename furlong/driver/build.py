@@ -164,6 +164,7 @@ def supervisor(
         top,
         router=cfg.router,
         weights=cfg.weights,
+        cluster=cfg.cluster,
         pause_mode=cfg.engine.pause_mode,
         admin_token=admin_token,
         run_dir=run_dir,

@@ -163,6 +163,21 @@ class MetricLog:
             version=version,
         )
 
+    def flush(self) -> None:
+        """Everything recorded so far on disk (a checkpoint marks its step done only after this)."""
+        from furlong.driver.rundir import fsync_file
+
+        self.store.flush()
+        for name in ("metrics.jsonl", "events.sqlite", "events.sqlite-wal"):
+            fsync_file(self.run_dir / name)
+
+    def rewind(self, step: int) -> None:
+        """Forget every step after `step` (a resumed run records them again): `metrics.jsonl`, `samples/`, the store."""
+        from furlong.driver.rundir import rewind_files
+
+        self.store.rewind(step)
+        rewind_files(self.run_dir, step)
+
     def state_dict(self) -> dict[str, Any]:
         return {"tokens": self.tokens}
 

@@ -8,8 +8,10 @@ brought down and the run resumes from that checkpoint, at most
 full state, so the resumed run trains exactly what the uninterrupted one would
 have (tested: final weights are equal).
 
-Every engine lost for good (`EnginesLost`, from the supervisor) stops the run too:
-nothing could generate the next batch. NaN/inf losses are skipped by the trainer,
+No engine (or no router) able to serve for `cluster.no_engine_timeout_s`, or every
+engine lost for good (`EnginesLost`, from the supervisor), stops the run too, naming
+what died, the last checkpoint and the `--resume` command: nothing could generate
+the next batch. NaN/inf losses are skipped by the trainer,
 one optimiser step at a time; `check_finite` stops the run after
 `train.max_nonfinite_steps` of them in a row.
 """
@@ -61,7 +63,12 @@ async def run_with_restarts(run: Any) -> dict[str, Any]:
             result["trainer_restarts"] = restarts
             return result
         except EnginesLost as e:
-            raise RunStopped(str(e)) from e
+            ckpt = latest_checkpoint(run.run_dir)
+            where = f"the last complete checkpoint is {ckpt}" if ckpt else "no checkpoint was complete yet"
+            raise RunStopped(
+                f"{e}; the run stopped: {where}. Fix the engines (their logs above), then continue it with "
+                f"`furlong train --resume {run.run_dir}`"
+            ) from e
         except TrainerDied as e:
             ckpt = latest_checkpoint(run.run_dir)
             where = f"the last complete checkpoint is {ckpt}" if ckpt else "no checkpoint was complete yet"

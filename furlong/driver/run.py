@@ -16,25 +16,36 @@ the rollout manager (which measures staleness against it).
 A checkpoint (`checkpoints/step_<n>/`) holds the trainer's full state and the
 driver's: data cursor, rollout buffer, in-flight partial rollouts, counters. It
 is taken between `before_weight_sync` and `on_weights_updated`, when nothing is
-in flight, so resuming continues exactly where the run stood.
+in flight, so resuming continues exactly where the run stood; every
+`train.checkpoint_every` steps or `train.checkpoint_every_min` minutes, whichever
+comes first, and at the end.
+
+Exactly-once logs: a step's samples, metrics and eval are recorded (and flushed to
+disk) *before* its checkpoint's marker is written, so a checkpoint never names a step
+whose rows are missing; a resume rewinds `metrics.jsonl`, `samples/` and the event
+store to the checkpoint's step before re-running the steps after it, so none appears
+twice. A resume whose newest checkpoint fails to load falls back to the one before,
+with a warning.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import shutil
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from furlong.cluster.trainer_group import TrainerDied
 from furlong.core.version import WeightVersion
 from furlong.data.sft import sft_samples, sft_source
 from furlong.driver import build
-from furlong.driver.restarts import check_finite
+from furlong.driver.restarts import RunStopped, check_finite
 from furlong.driver.rundir import (
     admin_token,
     checkpoint_dir,
-    latest_checkpoint,
+    complete_checkpoints,
     read_driver_state,
     rotate_checkpoints,
     write_driver_state,
@@ -52,6 +63,7 @@ class Run:
         self.run_dir = Path(cfg.run_dir)
         self.version = WeightVersion(0)
         self.step = 0
+        self.saved_at = time.monotonic()  # the last checkpoint (or the start): `train.checkpoint_every_min` counts
         self.top = self.trainers = self.manager = self.supervisor = self.dashboard = self.log = None
 
     async def run(self) -> dict[str, Any]:
@@ -59,15 +71,9 @@ class Run:
         self._prepare()
         try:
             await self._start()
-            if self.resume:
-                await self._restore()
-            await self.sft_warmup()
-            before = await self.evaluate("before RL") if self.step == 0 else {}
-            result = await self.train()
-            after = await self.evaluate("after RL")
+            # The supervisor ends the phases with EnginesLost once no engine (or no router) can serve.
+            result = await self.supervisor.guard(self._phases())
             result.update(
-                before=dict(before),
-                after=after,
                 minutes=(time.perf_counter() - t0) / 60,
                 run_dir=str(self.run_dir),
                 rollout_stats=self.manager.stats(),
@@ -77,6 +83,15 @@ class Run:
             return result
         finally:
             await self.close()
+
+    async def _phases(self) -> dict[str, Any]:
+        if self.resume:
+            await self._restore()
+        await self.sft_warmup()
+        before = await self.evaluate("before RL") if self.step == 0 else {}
+        result = await self.train()
+        after = await self.evaluate("after RL")
+        return {**result, "before": dict(before), "after": after}
 
     # ------------------------------------------------------------------ set-up
     def _prepare(self) -> None:
@@ -155,14 +170,13 @@ class Run:
         with self.log.progress("RL", self.cfg.train.total_steps, start=self.step) as advance:
             while self.step < self.cfg.train.total_steps:
                 metrics = await self.rl_step()
-                self.log.write(self.step, metrics)
                 advance(self.log.summary(self.step, metrics))
         await self.manager.before_weight_sync()
         await asyncio.to_thread(self._save, self.step)
         return {"steps": self.step}
 
     async def rl_step(self) -> dict[str, float]:
-        """One RL step: generate, train, sync the weights (and checkpoint); its metrics."""
+        """One RL step: generate, train, sync the weights, record the step (then checkpoint); its metrics."""
         step, train = self.step, self.cfg.train
         n = step + 1  # the step's number in the event store and metrics.jsonl: 1..total
         span = self.log.store.span
@@ -179,10 +193,6 @@ class Run:
         with span("driver", "weight-sync", n):
             sync = await self._sync_weights(step + 1)
         self.step = step + 1
-        if train.checkpoint_every and self.step % train.checkpoint_every == 0 and self.step < train.total_steps:
-            await asyncio.to_thread(self._save, self.step)
-        await self.manager.on_weights_updated(self.version.current)
-
         self.log.samples(step, batch, trained, step)
         metrics = self.log.step_metrics(batch, per_opt, self.manager.stats(), step)
         metrics.update(sync)
@@ -200,11 +210,27 @@ class Run:
         if ev:
             self.log.store.record_span("driver", "eval", n, t_eval, time.time())
             metrics.update(ev)
+        self.log.write(self.step, metrics)  # recorded before the checkpoint marks the step done: exactly once
+        if self._checkpoint_due():
+            await asyncio.to_thread(self._save, self.step)
+        await self.manager.on_weights_updated(self.version.current)
         return metrics
+
+    def _checkpoint_due(self) -> bool:
+        """Every `checkpoint_every` steps or `checkpoint_every_min` minutes, whichever first (the end saves anyway)."""
+        train = self.cfg.train
+        if self.step >= train.total_steps:
+            return False
+        by_steps = bool(train.checkpoint_every) and self.step % train.checkpoint_every == 0
+        minutes = (time.monotonic() - self.saved_at) / 60
+        return by_steps or (bool(train.checkpoint_every_min) and minutes >= train.checkpoint_every_min)
 
     # ------------------------------------------------------------------ checkpoints
     def _save(self, step: int) -> None:
         path = checkpoint_dir(self.run_dir, step)
+        self.log.flush()  # the step's rows on disk before the marker (write_driver_state) says it is done
+        if path.exists():  # a resumed run passing a step it had saved before (maybe damaged): never mix the two
+            shutil.rmtree(path)
         self.trainers.save(str(path))
         # The rollout state holds the data cursor, the buffer and in-flight partial rollouts.
         write_driver_state(
@@ -219,15 +245,29 @@ class Run:
         if self.after_save is not None:
             self.after_save(step, str(path))
         rotate_checkpoints(self.run_dir, self.cfg.train.keep_checkpoints)
+        self.saved_at = time.monotonic()
 
     async def _restore(self) -> None:
-        ckpt = latest_checkpoint(self.run_dir)
-        if ckpt is None:
+        """Load the newest checkpoint that loads (older ones on failure, with a warning); rewind the logs to it."""
+        found = complete_checkpoints(self.run_dir)
+        if not found:
             self.log.note("no complete checkpoint yet: starting from step 0")
             self.resume = False
+            self.log.rewind(0)
             return
-        state = read_driver_state(ckpt)
-        await asyncio.to_thread(self.trainers.load, str(ckpt))
+        state, errors = None, []
+        for ckpt in reversed(found):
+            try:
+                state = await self._load_checkpoint(ckpt)
+                break
+            except TrainerDied:
+                raise
+            except Exception as e:  # noqa: BLE001 - a damaged checkpoint: the one before it may load
+                errors.append(f"{ckpt}: {type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e) else ''}")
+                self.log.note(f"warning: checkpoint {ckpt} failed to load ({errors[-1]}); trying the one before it")
+        if state is None:
+            raise RunStopped("no checkpoint of this run loads:\n  " + "\n  ".join(errors))
+        self.log.rewind(state["step"])  # the steps after it run again: their rows must not appear twice
         self.manager.load_state_dict(state["rollout"])
         self.log.load_state_dict(state.get("log", {}))
         self.step = state["step"]
@@ -235,6 +275,15 @@ class Run:
         await self._sync_weights(state["version"])
         await self.manager.on_weights_updated(state["version"])
         self.log.note(f"resumed from {ckpt} at step {self.step}")
+
+    async def _load_checkpoint(self, ckpt: Path) -> dict[str, Any]:
+        """The driver state of `ckpt`, the trainer loaded from it; only a checkpoint inside this run's directory."""
+        own = (self.run_dir / "checkpoints").resolve()
+        if ckpt.resolve().parent != own:
+            raise ValueError(f"{ckpt} resolves to {ckpt.resolve()}, outside {own}: not loading it")
+        state = read_driver_state(ckpt)
+        await asyncio.to_thread(self.trainers.load, str(ckpt))
+        return state
 
     async def close(self) -> None:
         if self.supervisor is not None:  # first: shutting the engines down is not a fault

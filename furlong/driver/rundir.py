@@ -5,9 +5,14 @@
       admin_token               the control endpoints' bearer token, mode 0600
       checkpoints/step_<n>/     the trainer's files, then driver_state.json, written last
 
-`driver_state.json` is written to a temporary name and renamed, last: its presence is
-what marks a checkpoint complete, so a driver killed mid-save leaves a checkpoint that
-`latest_checkpoint` skips, never one that resumes half-written.
+`driver_state.json` is written to a temporary name, fsynced and renamed, last (and the
+directory fsynced): its presence is what marks a checkpoint complete, so a driver killed
+mid-save, or a machine losing power, leaves a checkpoint that `latest_checkpoint` skips,
+never one that resumes half-written.
+
+    metrics.jsonl, samples/step_<i>.jsonl, events.sqlite
+                                the run's records; `rewind_files` (with the event store's
+                                `rewind`) cuts them back to a checkpoint's step on resume
 """
 
 from __future__ import annotations
@@ -49,11 +54,60 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
     return done[-1] if done else None
 
 
+def fsync_file(path: Path) -> None:
+    """fsync `path` (a file or a directory) if it exists: its data, or its entries, on disk."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def write_driver_state(path: Path, state: dict[str, Any]) -> None:
-    """Write `state` as the checkpoint's driver state, last and atomically: it marks the checkpoint complete."""
-    tmp = Path(path) / (DRIVER_STATE + ".tmp")
-    tmp.write_text(json.dumps(state))
-    tmp.rename(Path(path) / DRIVER_STATE)
+    """Write `state` as the checkpoint's driver state, last and atomically: it marks the checkpoint complete.
+
+    The trainer fsynced its own files; this one is fsynced before the rename, and the directories
+    after it, so the marker is never on disk before what it marks."""
+    path = Path(path)
+    tmp = path / (DRIVER_STATE + ".tmp")
+    with open(tmp, "w") as f:
+        f.write(json.dumps(state))
+        f.flush()
+        os.fsync(f.fileno())
+    tmp.rename(path / DRIVER_STATE)
+    fsync_file(path)
+    fsync_file(path.parent)
+
+
+def rewind_files(run_dir: Path, step: int) -> None:
+    """Drop the records of steps after `step`: rows of `metrics.jsonl` (steps count from 1) and
+    `samples/step_<i>.jsonl` (i counts from 0) that a resumed run writes again.
+
+    `metrics.jsonl` is rewritten in place: its sink appends (O_APPEND), so its later rows follow the kept ones."""
+    metrics = Path(run_dir) / "metrics.jsonl"
+    if metrics.exists():
+        with open(metrics, "r+", encoding="utf-8") as f:
+            lines = f.readlines()
+            keep = [line for line in lines if _row_step(line) <= step]
+            if len(keep) != len(lines):
+                f.seek(0)
+                f.writelines(keep)
+                f.truncate()
+    for path in (Path(run_dir) / "samples").glob("step_*.jsonl"):
+        index = path.stem.split("_", 1)[1]
+        if index.isdigit() and int(index) >= step:
+            path.unlink()
+
+
+def _row_step(line: str) -> float:
+    """A row's step; a torn last line (a driver killed mid-write) has none and goes, or the next row joins it."""
+    try:
+        return int(json.loads(line)["step"])
+    except (ValueError, KeyError, TypeError):
+        return float("inf")
 
 
 def read_driver_state(path: Path) -> dict[str, Any]:

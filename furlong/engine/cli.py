@@ -1,4 +1,9 @@
-"""`furlong serve`: load a model into the built-in engine and serve it over HTTP."""
+"""`furlong serve`: load a model into the built-in engine and serve it over HTTP.
+
+The admin token comes from ``--admin-token-file``, ``--admin-token`` or
+``$FURLONG_ADMIN_TOKEN`` (see `engine.admin_token`: off loopback one is generated when none
+is given; on loopback the open control endpoints are warned about).
+"""
 
 from __future__ import annotations
 
@@ -32,8 +37,12 @@ def parser() -> argparse.ArgumentParser:
         "--backend", default="auto", choices=["auto", "native", "hf"], help="native fast path or generic HF fallback"
     )
     p.add_argument(
-        "--admin-token", default=None, help="bearer token for control endpoints (default: $FURLONG_ADMIN_TOKEN)"
+        "--admin-token",
+        default=None,
+        help="bearer token for control endpoints; visible to every local user in `ps`: prefer "
+        "--admin-token-file or $FURLONG_ADMIN_TOKEN",
     )
+    p.add_argument("--admin-token-file", default=None, metavar="PATH", help="file holding the admin token (mode 0600)")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's choice)")
     p.add_argument("--log-level", default="warning")
     return p
@@ -43,13 +52,19 @@ def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     if not os.path.isdir(args.model):
         parser().error(f"--model: {args.model!r} is not a directory")
+    logging.basicConfig(level=args.log_level.upper())
+    from furlong.engine import admin_token
+
+    try:
+        token = admin_token.resolve("furlong serve", args.host, args.port, args.admin_token, args.admin_token_file)
+    except ValueError as e:
+        parser().error(str(e))
     import torch
     import uvicorn
 
     from furlong.engine.engine import Engine
     from furlong.engine.server import create_app
 
-    logging.basicConfig(level=args.log_level.upper())
     if args.threads:
         torch.set_num_threads(args.threads)
     try:
@@ -66,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         parser().error(str(e))
     engine.start()
-    app = create_app(engine, args.admin_token)
+    app = create_app(engine, token)
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False)
     finally:

@@ -11,6 +11,12 @@ choosing the argv. Both honour the same `engine.*` settings:
 `threads` caps the built-in engine's torch threads through ``--threads``; SGLang has no such
 flag, so a launcher also passes `threads` to the process manager, which caps the math
 libraries' threads of either backend through the environment.
+
+The admin token is never a flag: any local user reads every process's command line
+(`/proc/<pid>/cmdline`). The argv comes back as a `core.processes.Command` whose `env`
+carries the token (``FURLONG_ADMIN_TOKEN``), which the process manager puts in the child's
+environment, readable only by the same user. `furlong serve` reads it from there; SGLang
+reads it from a 0600 config file that `engine.sglang_exec` writes from that variable.
 """
 
 from __future__ import annotations
@@ -18,7 +24,7 @@ from __future__ import annotations
 import importlib.util
 import sys
 
-from furlong.core.processes import furlong_argv
+from furlong.core.processes import Command, furlong_argv, token_env
 
 BACKENDS = ("builtin", "sglang")
 
@@ -36,8 +42,8 @@ def engine_argv(
     prefix_cache: bool,
     threads: int,
     admin_token: str,
-) -> list[str]:
-    """The argv that starts one engine server of `backend` with the run's engine settings.
+) -> Command:
+    """The argv (and environment: the admin token) that starts one engine server of `backend`.
 
     ValueError naming `engine.backend` for an unknown backend, and (sglang) naming the setting
     SGLang cannot honour, e.g. a `max_context` over the model's positions.
@@ -57,7 +63,6 @@ def engine_argv(
             str(kv_cache_mb),
             "--max-running",
             str(max_running),
-            f"--admin-token={admin_token}",
             "--threads",
             str(threads),
         )
@@ -65,7 +70,7 @@ def engine_argv(
             argv += ["--max-context", str(max_context)]
         if not prefix_cache:
             argv.append("--no-prefix-cache")
-        return argv
+        return Command(argv, token_env(admin_token))
     if backend == "sglang":
         from furlong.engine import sglang
 
@@ -79,7 +84,7 @@ def engine_argv(
             max_context=max_context,
             prefix_cache=prefix_cache,
         )
-        return sglang.build_command(cfg, admin_token)
+        return sglang.exec_command(cfg, admin_token)
     raise ValueError(f"engine.backend: unknown backend {backend!r}; choose one of {list(BACKENDS)}")
 
 

@@ -8,8 +8,10 @@ The flags the rest of furlong relies on:
 
 * ``--enable-metrics`` — the dashboard and the router read ``/metrics``;
 * ``--weight-version`` — every response carries ``meta_info.weight_version``;
-* ``--admin-api-key`` — control endpoints (pause, weight updates) need the run's admin
-  token, exactly like the built-in engine's ``--admin-token``;
+* ``admin-api-key`` — control endpoints (pause, weight updates) need the run's admin
+  token, like the built-in engine; it is set in a 0600 ``--config`` file that
+  `engine.sglang_exec` writes from ``$FURLONG_ADMIN_TOKEN``, never as a flag (every local
+  user reads a command line), so `exec_command` is the argv a launcher runs;
 * ``--enable-return-routed-experts`` — MoE rollout routing replay (R3);
 * ``--enable-memory-saver`` — trainer and engine sharing GPUs (release / resume memory);
 * ``--skip-server-warmup`` — RL engines serve real traffic at once; warm-up only delays;
@@ -50,7 +52,7 @@ from pathlib import Path
 
 import httpx
 
-from furlong.core.processes import ManagedProcess, ProcessFailed
+from furlong.core.processes import Command, ManagedProcess, ProcessFailed, token_env
 
 DTYPES = ("auto", "half", "float16", "bfloat16", "float", "float32")
 DTYPE_BYTES = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2}
@@ -107,8 +109,8 @@ def _option(flag: str, value: object) -> list[str]:
     return [f"{flag}={text}"] if text.startswith("-") else [flag, text]
 
 
-def build_command(cfg: SGLangConfig, admin_token: str | None = None, python: str = sys.executable) -> list[str]:
-    """The ``python -m sglang.launch_server ...`` argv for ``cfg``."""
+def build_command(cfg: SGLangConfig, python: str = sys.executable) -> list[str]:
+    """SGLang's own ``python -m sglang.launch_server ...`` argv for ``cfg`` (no admin key: see `exec_command`)."""
     cfg.validate()
     cmd = [
         python,
@@ -135,7 +137,6 @@ def build_command(cfg: SGLangConfig, admin_token: str | None = None, python: str
         "--max-total-tokens": cfg.max_total_tokens,
         "--random-seed": cfg.random_seed,
         "--load-format": cfg.load_format,
-        "--admin-api-key": admin_token,
     }
     for flag, value in options.items():
         if value is not None:
@@ -150,6 +151,13 @@ def build_command(cfg: SGLangConfig, admin_token: str | None = None, python: str
     }
     cmd += [flag for flag, on in switches.items() if on]
     return cmd + list(cfg.extra_args)
+
+
+def exec_command(cfg: SGLangConfig, admin_token: str | None = None, python: str = sys.executable) -> Command:
+    """What a launcher runs: `build_command` under `engine.sglang_exec`, the token in the `Command`'s env."""
+    return Command(
+        [python, "-m", "furlong.engine.sglang_exec", "--", *build_command(cfg, python)], token_env(admin_token)
+    )
 
 
 def _model_config(model_dir: str | Path) -> dict:
@@ -237,15 +245,12 @@ def launch(
 ) -> SGLangServer:
     """Start SGLang, wait until it is healthy, then register it with ``router_url`` if given.
 
-    `env` adds variables to the server's environment (through `env(1)`, so the process
-    manager stays the one that starts every server). ProcessFailed (a RuntimeError) with the
+    `env` adds variables to the server's environment. ProcessFailed (a RuntimeError) with the
     log's tail if the server dies or never gets healthy; a clear one if sglang is not installed.
     """
-    argv = build_command(cfg, admin_token, python)
-    if env:
-        argv = ["env", *(f"{k}={v}" for k, v in env.items()), *argv]
+    argv = exec_command(cfg, admin_token, python)
     log = Path(log_path) if log_path else Path(tempfile.mkdtemp(prefix="furlong-sglang-")) / "server.log"
-    server = SGLangServer("sglang server", argv, cfg.url, log)
+    server = SGLangServer("sglang server", argv, cfg.url, log, env=env)
     try:
         server.start(timeout)
     except ProcessFailed:

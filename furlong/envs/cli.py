@@ -48,6 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--timeout", type=float, default=10.0, help="wall-clock seconds")
     b.add_argument("--memory-mb", type=int, default=1024)
     b.add_argument("--network", action="store_true", help="allow network access")
+    b.add_argument("--unsafe-allow", action="store_true", help="run without namespaces where the kernel refuses them")
     args = parser.parse_args(argv)
     if args.command == "sessions":
         return _sessions(args)
@@ -120,7 +121,14 @@ def _sandbox(args: argparse.Namespace) -> int:
     except OSError as e:
         print(f"furlong envs sandbox: cannot read {args.file}: {e}", file=sys.stderr)
         return 2
-    box = LocalSandbox(SandboxLimits(timeout_s=args.timeout, memory_mb=args.memory_mb, network=args.network))
-    result = asyncio.run(box.run(code))
+    from furlong.envs.sandbox.jail import SandboxUnavailable
+
+    limits = SandboxLimits(timeout_s=args.timeout, memory_mb=args.memory_mb, network=args.network)
+    box = LocalSandbox(limits, unsafe_allow=args.unsafe_allow)
+    try:
+        result = asyncio.run(box.run(code))
+    except SandboxUnavailable as e:
+        print(f"furlong envs sandbox: {e}", file=sys.stderr)
+        return 2
     print(json.dumps(result, indent=2))
     return 0 if result["status"] == "ok" else 1

@@ -22,6 +22,10 @@ capped at what is left, and a turn with nothing left is refused (HTTP 400,
 the trainer's sequence budget. `metadata["last_turn"]` numbers the session's turns,
 so the trajectory served last is known.
 
+Sessions are bounded (`session_store`): idle ones expire after `session_ttl_s` (404 naming
+the session afterwards), at most `max_sessions` are open (429 naming the cap), and a
+request body over `max_body_bytes` (default 64 MiB, the engine's limit) is refused (413).
+
 Every engine call of a session carries `X-Routing-Key: <session id>`, so behind the
 router the whole session stays on one engine (and reuses its prefix cache).
 
@@ -43,6 +47,7 @@ import json
 import time
 import uuid
 from collections import Counter
+from collections.abc import Callable
 from typing import Any
 
 import httpx
@@ -55,6 +60,8 @@ from furlong.core.sample import Sample
 from furlong.core.tool_calls import parse_tool_calls
 from furlong.data.chat import encode_prompt
 from furlong.envs.session_store import (
+    DEFAULT_MAX_SESSIONS,
+    DEFAULT_TTL_S,
     SAMPLING_KEYS,
     RequestError,
     Session,
@@ -64,6 +71,7 @@ from furlong.envs.session_store import (
     template_tools,
 )
 from furlong.rollout.generate import apply_response, derive_seed
+from furlong.router.bodies import MAX_BODY_BYTES, BodyTooLarge, check_limit, read_body
 
 ROUTING_HEADER = "X-Routing-Key"
 SESSION_HEADER = "X-Furlong-Session"  # names the session on the session-less routes
@@ -80,12 +88,17 @@ class SessionServer:
         *,
         timeout_s: float = 600.0,
         transport: httpx.AsyncBaseTransport | None = None,
+        session_ttl_s: float | None = DEFAULT_TTL_S,
+        max_sessions: int | None = DEFAULT_MAX_SESSIONS,
+        max_body_bytes: int = MAX_BODY_BYTES,
+        clock: Callable[[], float] = time.monotonic,
     ):
         self.engine_url = engine_url.rstrip("/")
         self.transport = transport
         self.tokenizer = tokenizer
         self.timeout_s = timeout_s
-        self.store = SessionStore()
+        self.max_body_bytes = check_limit(max_body_bytes)
+        self.store = SessionStore(session_ttl_s, max_sessions, clock)
         self._http: httpx.AsyncClient | None = None
 
     # ---- the Python API (also what the HTTP routes call) -------------------------
@@ -329,7 +342,7 @@ class SessionServer:
 
         @app.post("/sessions")
         async def create(request: Request):
-            body = await _body_of(request)
+            body = await _body_of(request, self.max_body_bytes)
             if not isinstance(body, dict):
                 raise RequestError("body", "must be a JSON object")
             for key in ("metadata", "sampling"):
@@ -352,20 +365,20 @@ class SessionServer:
 
         @app.post("/sessions/{sid}/v1/chat/completions")
         async def chat(sid: str, request: Request):
-            return await serve_chat(sid, await _body_of(request))
+            return await serve_chat(sid, await _body_of(request, self.max_body_bytes))
 
         @app.post("/v1/chat/completions")
         async def chat_named(request: Request):
-            body = await _body_of(request)
+            body = await _body_of(request, self.max_body_bytes)
             return await serve_chat(self.session_named(request.headers, body), body)
 
         @app.post("/sessions/{sid}/tokenize")
         async def tokenize(sid: str, request: Request):
-            return await self.tokenize(sid, await _body_of(request))
+            return await self.tokenize(sid, await _body_of(request, self.max_body_bytes))
 
         @app.post("/tokenize")
         async def tokenize_any(request: Request):
-            body = await _body_of(request)
+            body = await _body_of(request, self.max_body_bytes)
             return await self.tokenize(self.session_named(request.headers, body, required=False), body)
 
         @app.get("/v1/models")
@@ -405,8 +418,11 @@ async def _error_response(request: Request, e: RequestError) -> JSONResponse:
     )
 
 
-async def _body_of(request: Request) -> Any:
-    raw = await request.body()
+async def _body_of(request: Request, limit: int) -> Any:
+    try:
+        raw = await read_body(request, limit)
+    except BodyTooLarge as e:
+        raise RequestError("body", str(e).removeprefix("body: "), 413) from None
     try:
         return json.loads(raw) if raw else {}
     except json.JSONDecodeError as e:

@@ -22,6 +22,11 @@ what the client claims: that is a template mismatch. The request is served on a
 branch (so the engine sees what the client sent), `metadata["template_mismatch"]` is
 set on that Sample and the `template_mismatches` counter goes up.
 
+Sessions are bounded: one idle for `ttl_s` (default an hour; a turn in progress is never
+idle) expires, and its id then gets a 404 saying so; at most `max_sessions` (default
+10,000) are open at once, and creating one more is refused (429) naming the cap. An agent
+harness that crashes without ending its sessions thus cannot grow the store for ever.
+
 The store knows nothing of HTTP or the engine: `session_server.py` parses requests,
 calls the engine between `open_turn` and `close_turn`, and serves the routes.
 """
@@ -30,13 +35,19 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 import uuid
-from collections import Counter
+from collections import Counter, OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from furlong.core.sample import Sample
 from furlong.data.chat import append_runs, encode_prompt, suffix_ids
+
+DEFAULT_TTL_S = 3600.0  # a session idle this long expires
+DEFAULT_MAX_SESSIONS = 10_000  # open sessions at most
+_EXPIRED_KEPT = 4096  # ids of recently expired sessions, remembered for a clear 404
 
 # the sampling defaults a session may carry: request field -> engine sampling param
 SAMPLING_KEYS = {
@@ -113,6 +124,7 @@ class Session:
     turns: int = 0
     trajectories: list[Trajectory] = field(default_factory=list)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    last_used: float = 0.0  # the store's clock, at the last request that named the session
 
 
 @dataclass
@@ -129,10 +141,25 @@ class Turn:
 
 
 class SessionStore:
-    """The open sessions, their trajectories and counters; see the module docstring."""
+    """The open sessions, their trajectories and counters; see the module docstring.
 
-    def __init__(self) -> None:
-        self.sessions: dict[str, Session] = {}
+    `ttl_s` None: sessions never expire; `max_sessions` None: no cap. `clock` (seconds,
+    monotonic) is what idleness is measured with.
+    """
+
+    def __init__(
+        self,
+        ttl_s: float | None = DEFAULT_TTL_S,
+        max_sessions: int | None = DEFAULT_MAX_SESSIONS,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if ttl_s is not None and not ttl_s > 0:
+            raise ValueError(f"session_ttl_s: must be > 0 (or None: never expire), got {ttl_s!r}")
+        if max_sessions is not None and (isinstance(max_sessions, bool) or max_sessions < 1):
+            raise ValueError(f"max_sessions: must be >= 1 (or None: no cap), got {max_sessions!r}")
+        self.ttl_s, self.max_sessions, self.clock = ttl_s, max_sessions, clock
+        self.sessions: OrderedDict[str, Session] = OrderedDict()  # least recently used first
+        self.expired: OrderedDict[str, None] = OrderedDict()
         self.counts: Counter[str] = Counter()
 
     def create(
@@ -150,15 +177,61 @@ class SessionStore:
             isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1
         ):
             raise RequestError("max_new_tokens", f"must be a positive integer, got {max_new_tokens!r}")
+        self.expire()
+        if self.max_sessions is not None and len(self.sessions) >= self.max_sessions:
+            self.counts["sessions_refused"] += 1
+            raise RequestError(
+                "sessions",
+                f"{len(self.sessions)} sessions are open, the cap (max_sessions={self.max_sessions}); "
+                "end finished ones with DELETE /sessions/{id}, or wait for idle ones to expire",
+                429,
+            )
         sid = uuid.uuid4().hex
-        self.sessions[sid] = Session(sid, dict(metadata or {}), label, dict(sampling or {}), max_new_tokens)
+        session = Session(sid, dict(metadata or {}), label, dict(sampling or {}), max_new_tokens)
+        session.last_used = self.clock()
+        self.sessions[sid] = session
         self.counts["sessions_created"] += 1
         return sid
 
     def get(self, sid: str) -> Session:
-        if sid not in self.sessions:
+        """The open session `sid`, now marked used; RequestError 404 naming it if it is unknown or expired."""
+        self.expire()
+        session = self.sessions.get(sid)
+        if session is None:
+            if sid in self.expired:
+                raise RequestError(
+                    "session",
+                    f"session {sid!r} expired after {self.ttl_s:g} s idle (create a new one with POST /sessions)",
+                    404,
+                )
             raise RequestError("session", f"no session {sid!r} (create one with POST /sessions)", 404)
-        return self.sessions[sid]
+        self.touch(session)
+        return session
+
+    def touch(self, session: Session) -> None:
+        """Mark `session` used now (it moves to the back of the expiry order)."""
+        session.last_used = self.clock()
+        if session.id in self.sessions:
+            self.sessions.move_to_end(session.id)
+
+    def expire(self) -> int:
+        """End every session idle for `ttl_s` (never one with a turn in progress); how many ended."""
+        if self.ttl_s is None:
+            return 0
+        cutoff, gone = self.clock() - self.ttl_s, []
+        for sid, session in self.sessions.items():  # least recently used first: stop at the first fresh one
+            if session.last_used > cutoff:
+                break
+            if not session.lock.locked():
+                gone.append(sid)
+        for sid in gone:
+            del self.sessions[sid]
+            self.expired[sid] = None
+        while len(self.expired) > _EXPIRED_KEPT:
+            self.expired.popitem(last=False)
+        if gone:
+            self.counts["sessions_expired"] += len(gone)
+        return len(gone)
 
     def samples(self, sid: str) -> list[Sample]:
         return [t.sample for t in self.get(sid).trajectories]
@@ -169,6 +242,7 @@ class SessionStore:
         return out
 
     def stats(self) -> dict[str, int]:
+        self.expire()
         return {**self.counts, "sessions_open": len(self.sessions)}
 
     # ---- one turn: open (place it, append the new messages), then close or undo -------
@@ -198,6 +272,7 @@ class SessionStore:
         del traj.history[turn.undo[1] :], sample.metadata["messages"][turn.undo[2] :]
         if budget_exhausted:
             sample.metadata["budget_exhausted"] = True
+        self.touch(session)
 
     def close_turn(self, session: Session, turn: Turn, message: dict[str, Any], reply_ids: list[int], tok: Any) -> None:
         """Record the model's reply (already appended to the sample's tokens) as the trajectory's latest turn."""
@@ -210,6 +285,7 @@ class SessionStore:
         session.turns += 1
         sample.metadata["last_turn"] = session.turns
         self.counts["turns"] += 1
+        self.touch(session)  # a long turn is activity: the idle time starts when it ends
 
     def served_prompt(self, session: Session | None, keys: list[tuple[Any, ...]], tools: Any) -> list[int] | None:
         """The ids the latest turn whose prompt is `keys` sent to the engine (in `session`, else any open one)."""

@@ -1,9 +1,8 @@
 """The event store: spans, metrics and per-token samples in `RUN_DIR/events.sqlite`.
 
-Why SQLite in WAL mode: it is embedded (nothing to start), every process of a run
-can open its own connection and write while the dashboard reads, and a run
-directory stays a single self-describing folder. On a multi-node Ray cluster the
-remote processes forward rows to one `CollectorActor` instead (see `collector.py`).
+Why SQLite in WAL mode: it is embedded, every process of a run can write while the
+dashboard reads, and a run directory stays one self-describing folder (on a multi-node
+Ray cluster remote processes forward rows to one `CollectorActor`: `collector.py`).
 
 Why a background thread and a bounded queue: the trainer must never wait on disk.
 A call such as `store.metrics(step, {...})` only snapshots its arguments into a
@@ -20,13 +19,12 @@ Public API (the driver, trainer ranks, engines and router all call the same):
         ...
     store.metrics(step, {"loss/total": 0.3, "rollout/reward_mean": 0.5})
     store.samples(step, samples, train_logprobs=lps, advantages=advs, version=v)
+    store.rewind(step)                                  # a resume: rows after `step` go
     store.flush(); store.close()
 
-Per-token provenance is kept as one compact column-wise JSON blob per sample
-(`samples.tokens`): ids, text, rollout log-prob, train log-prob, advantage, loss
-mask, weight version and source of every response token — one row per sample
-rather than one per token, which keeps a 64 × 512-token step to 64 inserts. The
-numeric columns are packed arrays (see `pack`); `reader.py` unpacks them.
+Per-token provenance is one column-wise JSON blob per sample (`samples.tokens`: ids,
+text, rollout and train log-probs, advantage, loss mask, version and source of each
+response token), so a 64 × 512-token step is 64 inserts; `reader.py` unpacks it.
 """
 
 from __future__ import annotations
@@ -301,6 +299,19 @@ class EventStore:
             return False
         self._wake.set()
         return marker.done.wait(timeout_s)
+
+    def rewind(self, step: int) -> None:
+        """Delete the rows of every step after `step`: a resumed run records them again, once."""
+        if not self.enabled or self._custom_writer is not None:
+            return
+        if not self.flush():
+            raise RuntimeError(f"event store {self.path}: the queued events were not written; not rewinding")
+        cut = "".join(f"DELETE FROM {t} WHERE step > {int(step)};" for t in ("spans", "metrics", "samples"))
+        conn = connect(self.path)
+        try:
+            conn.executescript(f"BEGIN IMMEDIATE;{cut}COMMIT;")
+        finally:
+            conn.close()
 
     def close(self, timeout_s: float = 30.0) -> None:
         """Write what is queued, stop the writer thread and close every sink. Idempotent."""

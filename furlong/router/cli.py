@@ -13,6 +13,10 @@ Usage::
     curl -s -XPOST localhost:30000/pause_generation -d '{"mode": "retract"}'  # every engine
 
 Engines may also start with none and register later (``furlong.engine.sglang`` does).
+
+The admin token comes from ``--admin-token-file``, ``--admin-token`` or
+``$FURLONG_ADMIN_TOKEN`` (see `furlong.engine.admin_token`): off loopback one is generated
+when none is given; on loopback the open control endpoints are warned about.
 """
 
 from __future__ import annotations
@@ -42,8 +46,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="placement of requests without a routing key (default least_inflight)",
     )
     p.add_argument(
-        "--admin-token", default=None, help="token required (Authorization: Bearer) by control and add/remove endpoints"
+        "--admin-token",
+        default=None,
+        help="token required (Authorization: Bearer) by control and add/remove endpoints; visible to every "
+        "local user in `ps`: prefer --admin-token-file or $FURLONG_ADMIN_TOKEN",
     )
+    p.add_argument("--admin-token-file", default=None, metavar="PATH", help="file holding the admin token (mode 0600)")
     p.add_argument("--health-interval", type=float, default=2.0, metavar="S", help="seconds between health probes")
     p.add_argument("--health-timeout", type=float, default=2.0, metavar="S", help="a probe slower than this fails")
     p.add_argument(
@@ -65,14 +73,19 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--port: {args.port} is not a TCP port")
     import uvicorn
 
+    from furlong.engine import admin_token
     from furlong.router.server import Router
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
+        token = admin_token.resolve("furlong router", args.host, args.port, args.admin_token, args.admin_token_file)
+    except ValueError as e:
+        parser.error(str(e))
+    try:
         router = Router(
             args.engine,
             policy=args.policy,
-            admin_token=args.admin_token,
+            admin_token=token,
             health_interval=args.health_interval,
             health_timeout=args.health_timeout,
             unhealthy_after=args.unhealthy_after,

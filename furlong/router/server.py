@@ -31,6 +31,8 @@ What it does, and why:
   weight-sync layer calls it once per engine that way).
   Control calls and ``/add_engine`` / ``/remove_engine`` need ``Authorization: Bearer
   <admin token>`` when the router has one; the header is forwarded to the engines.
+* **Bounds request bodies**: one over ``max_body_bytes`` (default 64 MiB, the engine's own
+  limit) is refused with 413 naming the limit, before it is buffered (``bodies``).
 * **Own endpoints**: ``GET /health`` (200 while any engine is healthy), ``GET /engines``
   (state, in-flight count, failures of each), ``GET /metrics`` (Prometheus text).
 
@@ -58,6 +60,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response, Strea
 from starlette.routing import Route
 
 from furlong.core.app_thread import AppThread
+from furlong.router.bodies import MAX_BODY_BYTES, BodyTooLarge, check_limit, read_body
 from furlong.router.health import HEALTHY, Engine, EnginePool, normalize_url
 from furlong.router.policies import Policy, derive_session_key
 
@@ -116,6 +119,7 @@ class Router:
         max_retries: int = 2,
         connect_timeout: float = 5.0,
         control_timeout: float | None = 600.0,
+        max_body_bytes: int = MAX_BODY_BYTES,
     ) -> None:
         if health_interval <= 0:
             raise ValueError(f"health_interval: must be > 0, got {health_interval}")
@@ -133,6 +137,7 @@ class Router:
         self.max_retries = max_retries
         self.connect_timeout = connect_timeout
         self.control_timeout = control_timeout
+        self.max_body_bytes = check_limit(max_body_bytes)
         self.client: aiohttp.ClientSession | None = None
         self.counts: Counter[str] = Counter()  # requests per path, retries, ...
         routes = [Route(p, self.forward, methods=["POST"]) for p in FORWARD_POST]
@@ -145,7 +150,7 @@ class Router:
             Route("/add_engine", self.add_engine, methods=["POST"]),
             Route("/remove_engine", self.remove_engine, methods=["POST"]),
         ]
-        self.app = Starlette(routes=routes, lifespan=self._lifespan)
+        self.app = Starlette(routes=routes, lifespan=self._lifespan, exception_handlers={BodyTooLarge: _body_too_large})
 
     @asynccontextmanager
     async def _lifespan(self, app: Starlette) -> AsyncIterator[None]:
@@ -169,7 +174,7 @@ class Router:
     async def forward(self, request: Request) -> Response:
         path = request.url.path
         self.counts[f"requests{path}"] += 1
-        raw = await request.body()
+        raw = await read_body(request, self.max_body_bytes)
         key = request.headers.get(ROUTING_HEADER)
         derive = key is None and self.policy.name == "session_affinity"
         if request.method == "POST" and (derive or b'"routing_key"' in raw):  # else: bytes pass unparsed
@@ -262,7 +267,7 @@ class Router:
         if not self._authorized(request):
             return error(401, f"{path} needs the admin token: Authorization: Bearer <token>")
         self.counts[f"requests{path}"] += 1
-        raw = await request.body()
+        raw = await read_body(request, self.max_body_bytes)
         headers = _request_headers(request)
         skipped: dict[str, str] = {}
         target = request.query_params.get("engine")
@@ -352,7 +357,7 @@ class Router:
             return error(401, f"{request.url.path} needs the admin token: Authorization: Bearer <token>")
         url = request.query_params.get("url")
         if url is None:
-            raw = await request.body()
+            raw = await read_body(request, self.max_body_bytes)
             try:
                 body = json.loads(raw) if raw.strip() else {}
             except (ValueError, UnicodeDecodeError) as e:
@@ -415,6 +420,10 @@ class _Relay(StreamingResponse):
                 self.upstream.release()  # back to the pool
             else:
                 self.upstream.close()  # client left early: drop the connection so the engine aborts the request
+
+
+async def _body_too_large(request: Request, e: Exception) -> Response:
+    return error(413, f"{request.url.path}: {e}")
 
 
 def _summary(result: dict[str, Any]) -> str:

@@ -6,6 +6,10 @@ holds the config and tokenizer), so export needs neither the base model's
 directory nor a process group: DCP loads the sharded weights in one process.
 LoRA runs export the adapter alone (PEFT format, loadable on the base), or with
 `--merge-lora` a plain model with the adapters folded in.
+
+Export reads whatever directory it is pointed at, so it unpickles nothing: the DCP
+metadata goes through `checkpoint.dcp_reader`'s allowlist and its tensors through
+`weights_only` loads; a checkpoint holding anything else is refused, naming the file.
 """
 
 from __future__ import annotations
@@ -51,7 +55,7 @@ def export(ckpt: str | Path, out: str | Path, merge_lora: bool = False) -> Path:
     elif merge_lora:
         raise ValueError(f"--merge-lora: {ckpt} is not a LoRA checkpoint (meta.json lora is null)")
     state = {"policy": get_model_state_dict(model)}
-    dcp.load(state, checkpoint_id=str(ckpt / "dcp"), no_dist=True)
+    dcp.load(state, storage_reader=checkpoint.dcp_reader(ckpt / "dcp"), no_dist=True)
     set_model_state_dict(model, state["policy"])
     out.mkdir(parents=True, exist_ok=True)
     if lora and merge_lora:

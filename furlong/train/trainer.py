@@ -37,7 +37,7 @@ import torch
 from torch import Tensor, nn
 
 from furlong.core.sample import Sample, SampleError
-from furlong.train import checkpoint, dist
+from furlong.train import checkpoint, dist, qat
 from furlong.train.batch import Packed, TrainBatch, micro_batches, pack, partition
 from furlong.train.critic import ValueModel
 from furlong.train.hooks import TrainerHooks
@@ -97,6 +97,8 @@ class Trainer:
         self.hooks = (hooks or TrainerHooks()).named()
         self.convert = self.hooks.convert_fn or TrainBatch.from_samples
         self.lora = lora_dict(train_cfg.lora)
+        self.qat = train_cfg.qat  # "int4": policy and reference fake-quantise their linears (see qat.py)
+        qat.check_lora(self.qat, self.lora is not None)
         self.kl_coef = float(algo_cfg.kl_coef)
         if algo_cfg.loss_reducer == "constant" and algo_cfg.reducer_constant is None:
             # The hub's fallback (the padded T) would differ between micro-batches and ranks.
@@ -131,7 +133,9 @@ class Trainer:
     def _load_lm(self) -> nn.Module:
         from transformers import AutoModelForCausalLM
 
-        return AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=self.dtype)
+        model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=self.dtype)
+        qat.apply_qat(model, self.qat)
+        return model
 
     def _place(self, model: nn.Module, frozen: bool = False) -> nn.Module:
         model.to(self.device)
@@ -293,10 +297,12 @@ class Trainer:
     def state_dict_for_sync(self) -> Iterator[tuple[str, Tensor]]:
         """(HF name, full tensor) pairs of the policy, one at a time; LoRA is merged.
 
+        With train.qat=int4 the QAT layers' weights are sent fake-quantised (on the INT4 grid), not as the
+        fp32 masters: an engine serving them computes exactly what training saw (see qat.py).
         Collective under FSDP: every rank must iterate to the end (each gets full tensors).
         """
         items = dist.full_state(self.policy)
-        yield from (merged_items(self.policy, items) if self.lora else items)
+        yield from qat.sync_items(self.policy, merged_items(self.policy, items) if self.lora else items)
 
     # ------------------------------------------------------------------ losses
     def _totals(self, batch: TrainBatch) -> dict[str, float]:

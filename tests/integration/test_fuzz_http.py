@@ -20,7 +20,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from furlong.core.api import CONTROL_PATHS
-from furlong.core.processes import ManagedProcess, free_port, furlong_argv
+from furlong.core.net import free_port
+from furlong.core.processes import ManagedProcess, furlong_argv, token_env
 from furlong.models import create_model
 
 TOKEN = "fuzz-admin-token"
@@ -134,8 +135,6 @@ def servers(tmp_path_factory):
             str(create_model("qwen3", "tiny")),
             "--port",
             str(eport),
-            "--admin-token",
-            TOKEN,
             "--threads",
             "1",
             "--kv-cache-mb",
@@ -144,6 +143,7 @@ def servers(tmp_path_factory):
         f"http://127.0.0.1:{eport}",
         logs / "engine.log",
         threads=1,
+        env=token_env(TOKEN),
     ).start(180)
     router = ManagedProcess(
         "router",
@@ -153,8 +153,6 @@ def servers(tmp_path_factory):
             engine.url,
             "--port",
             str(rport),
-            "--admin-token",
-            TOKEN,
             "--health-interval",
             "0.5",
             "--log-level",
@@ -163,6 +161,7 @@ def servers(tmp_path_factory):
         f"http://127.0.0.1:{rport}",
         logs / "router.log",
         threads=1,
+        env=token_env(TOKEN),
     ).start(60)
     with httpx.Client(base_url=engine.url, timeout=60) as e, httpx.Client(base_url=router.url, timeout=60) as r:
         rss = {"engine": rss_mb(engine.pid), "router": rss_mb(router.pid)}

@@ -6,8 +6,10 @@ the reference for everything here:
 - end to end: exit 0, result, checkpoints, metrics, samples, event store, no orphans;
 - equivalence: fully async with `max_staleness=0`, and the engine colocated in the
   trainer's process, give the same samples and the same final weights;
-- resume: a driver SIGKILLed mid-run and continued with `--resume` ends with the
-  uninterrupted run's weights, and the killed run leaves no process behind.
+- resume: a driver SIGKILLed mid-run, its newest checkpoint damaged, and continued with
+  `--resume` falls back to the checkpoint before, ends with the uninterrupted run's
+  weights and records (metrics.jsonl, event store) row for row, and the killed run
+  leaves no process behind.
 
 The debug recipe's arithmetic task gives a random tiny model reward 0 everywhere, so
 GRPO advantages would be 0 and the weights would never move (every "equal weights"
@@ -30,6 +32,8 @@ from typing import Any
 
 import pytest
 import torch
+
+from tests.helpers import holds_token
 
 pytestmark = pytest.mark.slow  # each test runs `furlong train` (Ray, trainer, engine, router) once or twice
 
@@ -85,6 +89,17 @@ def _cmdline(pid: int) -> str:
         return ""
 
 
+def _token_of(pid: int) -> str | None:
+    """The admin token process `pid` was started with (`FURLONG_ADMIN_TOKEN` in its environment), if any."""
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            entries = f.read().split(b"\0")
+    except OSError:
+        return None
+    found = [e.split(b"=", 1)[1].decode() for e in entries if e.startswith(b"FURLONG_ADMIN_TOKEN=")]
+    return found[0] if found else None
+
+
 class Driver:
     """`furlong train ...` in a subprocess; a thread records every descendant it ever had.
 
@@ -109,6 +124,7 @@ class Driver:
                 env=env,
             )
         self.seen: dict[int, tuple[str | None, str]] = {}  # pid -> (start time, command line)
+        self.tokens: dict[int, str | None] = {}  # pid -> the admin token in its environment (engines, router)
         self._watch = threading.Thread(target=self._record, daemon=True)
         self._watch.start()
 
@@ -121,6 +137,8 @@ class Driver:
                     cmd = _cmdline(c)  # re-read: a child seen between fork and exec still shows its parent's
                     if c not in self.seen or cmd:
                         self.seen[c] = (_start_time(c), cmd or self.seen.get(c, (None, ""))[1])
+                    if self.tokens.get(c) is None:  # re-read too: before exec, a child has its parent's environment
+                        self.tokens[c] = _token_of(c)
                     todo.append(c)
             if done:
                 return
@@ -136,6 +154,10 @@ class Driver:
         self._watch.join()
         return rc
 
+    def holders(self, token: str) -> list[int]:
+        """The descendants that were handed `token` (in their environment): the engines and the router."""
+        return [pid for pid, t in self.tokens.items() if t == token]
+
     def tail(self, n: int = 40) -> str:
         return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
 
@@ -148,7 +170,8 @@ class Driver:
             for part in cmd.split()
             if part.startswith("--session-name=")
         }
-        assert any(token in cmd for _, cmd in self.seen.values()), "the engine/router processes were never seen"
+        assert self.holders(token), "the engine/router processes were never seen"
+        assert not [c for _, c in self.seen.values() if token in c], "the admin token was on a command line"
         assert sessions, "no Ray head process was seen under the driver"
         deadline = time.monotonic() + grace_s
         while True:
@@ -160,7 +183,7 @@ class Driver:
             for d in os.listdir("/proc"):
                 if d.isdigit() and int(d) not in self.seen:
                     cmd = _cmdline(int(d))
-                    if token in cmd or any(s in cmd for s in sessions):
+                    if holds_token(d, token) or any(s in cmd for s in sessions):
                         alive.append(f"{d}: {cmd[:160]}")
             if not alive or time.monotonic() > deadline:
                 return alive
@@ -291,30 +314,93 @@ def test_async_with_staleness_0_and_colocated_engine_equal_sync(sync_run):
 
 
 def test_sigkilled_driver_resumes_to_the_uninterrupted_weights(sync_run):
-    """SIGKILL the driver in step 2 (after checkpoint 1), `--resume`: the sync run's weights, bit for bit.
+    """SIGKILL the driver in step 3 (after checkpoint 2), damage checkpoint 2, `--resume`: it falls
+    back to checkpoint 1 with a warning and ends with the sync run's weights, bit for bit, and
+    with its records: `metrics.jsonl` and the event store's metrics and samples, row for row
+    (steps 1 and 2 were recorded before the kill; step 2 again after the resume).
 
     The kill leaves nothing behind: Ray fate-shares its GCS, raylet and workers with the
     driver, engines and router die with their actor (PR_SET_PDEATHSIG), and the driver's
     reaper (`core/processes.py`) kills Ray's agents, which otherwise outlive it.
     """
     run_dir = sync_run.parent / "killed"
-    ckpt = run_dir / "checkpoints" / "step_1" / "driver_state.json"
+    ckpt = run_dir / "checkpoints" / "step_2" / "driver_state.json"
     driver = train(run_dir, env={HOLD_ENV: str(ckpt)})
     deadline = time.monotonic() + 180
     while not ckpt.exists():
         assert driver.proc.poll() is None, driver.tail()
         assert time.monotonic() < deadline, driver.tail()
         time.sleep(0.05)
-    time.sleep(0.5)  # into step 2: its rollouts are waiting on their rewards
+    time.sleep(0.5)  # into step 3: its rollouts are waiting on their rewards
     assert not (run_dir / "result.json").exists()
     driver.proc.send_signal(signal.SIGKILL)
     assert driver.wait() == -signal.SIGKILL
     left = driver.leftovers(run_dir)
     assert not left, "processes left by the SIGKILLed driver:\n" + "\n".join(left)
+    # Recorded before checkpoint 2 was marked complete: nothing of a finished step is lost to the kill.
+    assert [m["step"] for m in jsonl_rows(run_dir)] == [1, 2]
+    assert store_rows(run_dir, "SELECT DISTINCT step FROM samples ORDER BY step") == [(1,), (2,)]
+    (shard,) = (run_dir / "checkpoints" / "step_2" / "dcp").glob("*.distcp")
+    shard.write_bytes(shard.read_bytes()[:100])  # damaged: the resume must fall back to checkpoint 1
 
     resumed = Driver(["--resume", str(run_dir)], run_dir.parent / "resumed.log")
     result = finish(resumed, run_dir)
     assert result["steps"] == STEPS
-    assert "resumed from" in resumed.log.read_text() and "step_1" in resumed.log.read_text()
+    log = resumed.log.read_text()
+    assert "resumed from" in log and "step_1" in log
+    assert "warning: checkpoint" in log and "step_2 failed to load" in log and "trying the one before it" in log
     assert_same_weights(weights(sync_run), weights(run_dir))
     assert_same_samples(samples(sync_run)[1:], samples(run_dir)[1:])
+    assert_same_records(sync_run, run_dir)
+
+
+# ---------------------------------------------------------------- records, row for row
+VOLATILE = ("time", "time/", "perf/", "weight_sync/", "engine/", "rollout_stats/")  # clocks, process counters
+# Rollout-vs-trainer log-prob gaps (~1e-8): rollout log-probs may differ in the last bits (see assert_same_samples).
+ROUNDING = "mismatch/"
+SAMPLE_COLUMNS = (
+    "step, idx, grp, reward, reward_detail, status, status_reason, staleness, prompt_length, response_length,"
+    " trained_tokens, version_min, version_max, prompt_text, response_text"
+)
+
+
+def jsonl_rows(run_dir: Path) -> list[dict[str, Any]]:
+    return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
+
+
+def store_rows(run_dir: Path, sql: str) -> list[tuple]:
+    import sqlite3
+
+    with sqlite3.connect(run_dir / "events.sqlite") as c:
+        return c.execute(sql).fetchall()
+
+
+def assert_same_records(want_dir: Path, got_dir: Path) -> None:
+    """metrics.jsonl and the event store's metrics and samples of two runs, row for row (clocks aside)."""
+    from furlong.observe.store import unpack
+
+    def steady(row: dict[str, Any], rounding: bool = False) -> dict[str, Any]:
+        return {k: v for k, v in row.items() if not k.startswith(VOLATILE) and k.startswith(ROUNDING) == rounding}
+
+    def same(want: dict[str, Any], got: dict[str, Any]) -> bool:
+        return steady(got) == pytest.approx(steady(want), rel=1e-6, nan_ok=True) and steady(got, True) == pytest.approx(
+            steady(want, True), abs=1e-5, nan_ok=True
+        )
+
+    want, got = jsonl_rows(want_dir), jsonl_rows(got_dir)
+    assert [m["step"] for m in got] == [m["step"] for m in want] == list(range(1, STEPS + 1))
+    for a, b in zip(want, got):
+        assert same(a, b), f"metrics.jsonl step {a['step']} differs:\n{a}\n{b}"
+        assert any(k.startswith("train/") for k in steady(a)) and "rollout/reward_mean" in steady(a)
+    metric_sql = "SELECT step, name, value FROM metrics ORDER BY step, name"
+    want_m = [r for r in store_rows(want_dir, metric_sql) if not r[1].startswith(VOLATILE)]
+    got_m = [r for r in store_rows(got_dir, metric_sql) if not r[1].startswith(VOLATILE)]
+    assert [r[:2] for r in got_m] == [r[:2] for r in want_m], "event-store metric rows differ (or repeat)"
+    assert same({f"{k}@{s}": v for s, k, v in want_m}, {f"{k}@{s}": v for s, k, v in got_m})
+    sample_sql = f"SELECT {SAMPLE_COLUMNS}, tokens FROM samples ORDER BY step, idx"
+    want_s, got_s = store_rows(want_dir, sample_sql), store_rows(got_dir, sample_sql)
+    assert len(got_s) == len(want_s) == 4 * STEPS, "event-store sample rows missing or repeated"
+    for a, b in zip(want_s, got_s):
+        assert b[:-1] == a[:-1], f"event-store sample row differs: {a[:3]}"
+        ta, tb = json.loads(a[-1]), json.loads(b[-1])
+        assert unpack(tb["ids"], "i") == unpack(ta["ids"], "i") and tb["source"] == ta["source"]

@@ -20,6 +20,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import holds_token
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -27,7 +29,7 @@ TOKEN = "-leading-dash-token"  # token_urlsafe's alphabet has "-": engines and r
 
 
 def _left(session_dir: str) -> list[str]:
-    """Processes holding this module's token (engines, router) or a file in its Ray session (Ray's own)."""
+    """Processes handed this module's token (engines, router) or holding a file in its Ray session (Ray's own)."""
     left = []
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
@@ -35,7 +37,7 @@ def _left(session_dir: str) -> list[str]:
             fds = [os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")]
         except OSError:
             continue
-        if TOKEN in cmd or any(f.startswith(session_dir + "/") for f in fds):
+        if holds_token(pid, TOKEN) or any(f.startswith(session_dir + "/") for f in fds):
             left.append(f"{pid}: {cmd[:120]}")
     return left
 

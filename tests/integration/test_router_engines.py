@@ -67,8 +67,8 @@ def wait_for(predicate, what: str, timeout: float = 60):
 
 def serve(model: str, port: int) -> subprocess.Popen:
     return subprocess.Popen(
-        [sys.executable, "-m", "furlong.cli", "serve", "--model", model, "--port", str(port), "--admin-token", TOKEN],
-        env=ENV,
+        [sys.executable, "-m", "furlong.cli", "serve", "--model", model, "--port", str(port)],
+        env={**ENV, "FURLONG_ADMIN_TOKEN": TOKEN},  # never on a command line
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
     )
@@ -96,15 +96,13 @@ def fleet(model):
             "router",
             "--port",
             str(router_port),
-            "--admin-token",
-            TOKEN,
             "--health-interval",
             "0.3",
             "--log-level",
             "warning",
             *sum((["--engine", u] for u in urls), []),
         ],
-        env=ENV,
+        env={**ENV, "FURLONG_ADMIN_TOKEN": TOKEN},
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
     )

@@ -10,13 +10,18 @@ from __future__ import annotations
 
 import json
 import socket
+import stat
 import textwrap
+import uuid
+from pathlib import Path
 
 import httpx
 import pytest
+import yaml
 
 from furlong.engine.sglang import SGLangConfig, launch
 from furlong.router import serve_in_thread
+from tests.helpers import cmdlines_with
 
 FAKE_LAUNCH_SERVER = textwrap.dedent("""
     import argparse, json, sys
@@ -58,21 +63,31 @@ def fake_sglang(tmp_path):
     return {"PYTHONPATH": str(tmp_path / "site")}
 
 
+@pytest.mark.timeout(120)
 def test_launch_waits_for_health_and_registers_with_the_router(tmp_path, fake_sglang):
+    token = f"sglang-key-{uuid.uuid4().hex}"
     cfg = SGLangConfig(model_path=str(tmp_path), port=free_port(), tp_size=2, return_routed_experts=True)
-    with serve_in_thread([], admin_token="tok", health_interval=0.2) as router:
+    with serve_in_thread([], admin_token=token, health_interval=0.2) as router:
         server = launch(
-            cfg, router_url=router.url, admin_token="tok", env=fake_sglang, timeout=60, log_path=tmp_path / "sglang.log"
+            cfg, router_url=router.url, admin_token=token, env=fake_sglang, timeout=60, log_path=tmp_path / "sglang.log"
         )
         try:
             engines = httpx.get(router.url + "/engines").json()["engines"]
             assert [(e["url"], e["state"]) for e in engines] == [(cfg.url, "healthy")]
             argv = json.loads((tmp_path / "argv.json").read_text())
-            assert argv[argv.index("--tp-size") + 1] == "2" and argv[argv.index("--admin-api-key") + 1] == "tok"
+            assert argv[argv.index("--tp-size") + 1] == "2"
             assert "--enable-return-routed-experts" in argv and "--enable-metrics" in argv
+            # the key reaches SGLang in a 0600 config file, never on a command line
+            assert "--admin-api-key" not in argv and token not in argv
+            key_file = Path(argv[argv.index("--config") + 1])
+            assert yaml.safe_load(key_file.read_text()) == {"admin-api-key": token}
+            assert stat.S_IMODE(key_file.stat().st_mode) == 0o600
+            assert stat.S_IMODE(key_file.parent.stat().st_mode) == 0o700
+            assert cmdlines_with(token) == []
         finally:
             server.stop()
         assert server.process.returncode is not None
+        assert not key_file.exists()  # removed once SGLang is gone
 
 
 def test_launch_reports_why_the_server_died(tmp_path, fake_sglang):

@@ -20,7 +20,8 @@ import httpx
 import pytest
 
 from furlong.config.schema import EnvsConfig
-from furlong.core.processes import ManagedProcess, free_port
+from furlong.core.net import free_port
+from furlong.core.processes import ManagedProcess
 from furlong.core.sample import Sample
 from furlong.envs.coding import CodingEnvironment, make_prompts
 from furlong.envs.sandbox.base import SandboxLimits

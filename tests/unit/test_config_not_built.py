@@ -10,7 +10,6 @@ from furlong.train.batch import TrainBatch
     "override, field",
     [
         ("engine.quantization=fp8", "engine.quantization"),
-        ("train.qat=int4", "train.qat"),
         ("rollout.routing_replay=true", "rollout.routing_replay"),
         ("rollout.rollout_fn=furlong.rollout.generate:generate", "rollout.rollout_fn"),
         ("algo.teacher_path=.", "algo.teacher_path"),
@@ -34,3 +33,14 @@ def test_convert_fn_is_built_and_accepted():
     cfg = load_config(None, [f"train.convert_fn={path}"])
     assert cfg.train.convert_fn == path
     assert registry.load_plugin("train.convert_fn", path) == TrainBatch.from_samples
+
+
+def test_qat_is_built_and_accepted():
+    """`train.qat=int4` was refused here until the trainer fake-quantised its linears (train/qat.py)."""
+    assert load_config(None, ["train.qat=int4"]).train.qat == "int4"
+
+
+def test_qat_with_lora_is_refused_naming_both():
+    with pytest.raises(ConfigError, match="train.qat=int4 with train.lora.enabled=true") as e:
+        load_config(None, ["train.qat=int4", "train.lora.enabled=true"])
+    assert {"train.qat", "train.lora.enabled"} <= set(e.value.fields)

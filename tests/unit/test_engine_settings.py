@@ -60,10 +60,10 @@ def test_builtin_argv_is_furlong_serve_with_every_setting(model_dir):
         "64",
         "--max-running",
         "32",
-        "--admin-token=tok",
         "--threads",
         "2",
     ]
+    assert argv.env == {"FURLONG_ADMIN_TOKEN": "tok"}  # the token goes by environment: a command line is public
     argv = engine_argv("builtin", model_dir=model_dir, **{**SETTINGS, "max_context": 512, "prefix_cache": False})
     assert argv[-3:] == ["--max-context", "512", "--no-prefix-cache"]
 
@@ -77,13 +77,15 @@ def test_builtin_argv_parses_back_into_the_serve_settings(model_dir):
         **{**SETTINGS, "max_context": 512, "prefix_cache": False, "admin_token": "-starts-with-a-dash"},
     )
     args = parser().parse_args(argv[4:])
-    assert (args.max_context, args.prefix_cache, args.admin_token) == (512, False, "-starts-with-a-dash")
+    assert (args.max_context, args.prefix_cache, args.admin_token) == (512, False, None)
+    assert argv.env == {"FURLONG_ADMIN_TOKEN": "-starts-with-a-dash"}  # any token, verbatim, off the command line
     assert parser().parse_args(["--model", model_dir]).prefix_cache is True
 
 
 def test_sglang_argv_maps_every_setting_to_its_flag(model_dir):
     argv = engine_argv("sglang", model_dir=model_dir, **{**SETTINGS, "max_context": 1024, "prefix_cache": False})
-    assert argv[:3] == [sys.executable, "-m", "sglang.launch_server"]
+    assert argv[:6] == [sys.executable, "-m", "furlong.engine.sglang_exec", "--", sys.executable, "-m"]
+    assert argv[6] == "sglang.launch_server"  # run by the wrapper that hands SGLang its admin key in a 0600 file
 
     def flag(name: str) -> str:
         return argv[argv.index(name) + 1]
@@ -97,15 +99,24 @@ def test_sglang_argv_maps_every_setting_to_its_flag(model_dir):
     assert flag("--context-length") == "1024" and "--disable-radix-cache" in argv
     assert flag("--max-running-requests") == "32"
     assert flag("--max-total-tokens") == str(64 * 2**20 // 256)  # the KV budget in the model's tokens
-    assert flag("--admin-api-key") == "tok"  # the flag SGLang has always been given the run's token with
+    assert "--admin-api-key" not in argv and "tok" not in argv and argv.env == {"FURLONG_ADMIN_TOKEN": "tok"}
     assert "--enable-metrics" in argv and "--threads" not in argv  # threads go through the environment
     default = engine_argv("sglang", model_dir=model_dir, **SETTINGS)
     assert "--context-length" not in default and "--disable-radix-cache" not in default
 
 
-def test_sglang_token_starting_with_a_dash_still_parses():
-    cmd = build_command(SGLangConfig(model_path="/m"), admin_token="-abc", python="py")
-    assert "--admin-api-key=-abc" in cmd
+def test_sglang_token_starting_with_a_dash_still_parses(tmp_path):
+    import os
+    import stat
+
+    import yaml
+
+    from furlong.engine.sglang_exec import key_config
+
+    path = key_config("-abc", tmp_path)  # what SGLang reads with --config: its admin key, quoted as YAML needs
+    assert yaml.safe_load(path.read_text()) == {"admin-api-key": "-abc"}
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+    assert "-abc" not in build_command(SGLangConfig(model_path="/m"), python="py")
 
 
 def test_unknown_backend_and_unknown_model_name_the_setting(tmp_path, model_dir):

@@ -51,7 +51,7 @@ def test_every_option_maps_to_its_sglang_flag():
         load_format="dummy",
         extra_args=["--enable-lora", "--max-lora-rank", "16"],
     )
-    cmd = build_command(cfg, admin_token="tok", python="py")
+    cmd = build_command(cfg, python="py")
     assert cmd == [
         "py",
         "-m",
@@ -80,8 +80,6 @@ def test_every_option_maps_to_its_sglang_flag():
         "1",
         "--load-format",
         "dummy",
-        "--admin-api-key",
-        "tok",
         "--enable-return-routed-experts",
         "--enable-memory-saver",
         "--enable-deterministic-inference",

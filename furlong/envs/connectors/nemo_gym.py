@@ -117,7 +117,8 @@ class Servers:
     """NeMo Gym's servers for one Options and one session server; the driver process owns them."""
 
     def __init__(self, opts: Options, sessions_root: str):
-        from furlong.core.processes import ManagedProcess, _die_with_parent, free_port
+        from furlong.core.net import free_port
+        from furlong.core.processes import ManagedProcess, _die_with_parent
 
         self.workdir = Path(tempfile.mkdtemp(prefix="furlong-nemo-gym-"))
         port = free_port()

@@ -130,7 +130,8 @@ def server_url(opts: Options) -> str:
     """
     if opts.url:
         return opts.url.rstrip("/")
-    from furlong.core.processes import ManagedProcess, ProcessFailed, free_port
+    from furlong.core.net import free_port
+    from furlong.core.processes import ManagedProcess, ProcessFailed
 
     env = opts.env if opts.env == "echo" or _APP.match(opts.env) else str(Path(opts.env).resolve())
     key = (env, int(opts.max_sessions))

@@ -1,173 +1,76 @@
-"""The local process sandbox: untrusted code in a separate, limited, isolated process.
+"""The local process sandbox: untrusted code in a separate, limited process in namespaces of its own.
 
-Why a process and not `exec`: model-written code can loop forever, fork-bomb,
-allocate 10 GB, write over the checkout or call the network. Each of those must
-hurt only the sandbox, never the trainer, the engine or the host, and the reward
-must learn *what happened* (timeout, memory, killed) rather than crash.
+Why a process and not `exec`: model-written code can loop forever, fork-bomb, allocate 10 GB,
+write over the checkout, call the network, `kill(-1)` every process of its user or read the
+run's admin token and the user's SSH keys. Each of those must hurt only the sandbox, never
+the trainer, the engine or the host, and the reward must learn *what happened* (timeout,
+memory, killed) rather than crash.
 
-Each `run(code)` writes the code into a fresh temporary directory and starts
-`python -E -s main.py` there (its directory importable), in its own session (process group), with, applied in
-`preexec_fn` between fork and exec:
+Each `run(code)` writes the code into a fresh temporary directory and starts, in its own
+session (process group):
 
-- **limits** (`resource.setrlimit`): CPU seconds, address space (memory), file
-  size, open files, core dumps off, and a process count (RLIMIT_NPROC) that stops
-  a fork bomb at `max_procs`;
-- **no network**: a new, empty network namespace (`unshare(CLONE_NEWNET)`; without
-  privileges, inside a new user namespace); where namespaces are refused, Landlock
-  (Linux >= 6.7) denies TCP connect and bind; where neither works the result says
-  `network: "unavailable"` — never a silent claim of isolation;
-- **no writes outside the temp dir**: Landlock allows writes only beneath it (and
-  to /dev/null); when running as root the code also runs as a throw-away uid (so
-  file permissions and RLIMIT_NPROC apply: root ignores RLIMIT_NPROC);
-- **a wall-clock timeout**: the whole process group is killed, and when running
-  under a throw-away uid every process of that uid is killed too (a child that
-  left the group with `setsid` cannot escape).
+    [setpriv --reuid=THROWAWAY (as root)] bwrap OPTIONS -- python -I -c CHILD CONFIG
 
-Output is read as it comes and capped at `max_output_bytes` per stream, so a
-program printing forever cannot fill the trainer's memory. The result reports
-each isolation layer that was actually in force (`isolation`), measured in the
-child, not assumed.
+- **bwrap** (`jail.py`) gives user, PID, mount, network, IPC and UTS namespaces without root:
+  the code sees only `/usr`, the Python install and its own directory (no home, no run
+  directory, no host `/tmp` or Unix sockets), a `/proc` with only its own processes, and no
+  network (unless `envs.network`). As root it first becomes a throw-away uid.
+- **CHILD** (`child.py`, standard library only) sets the rlimits (CPU seconds, address space
+  = `envs.memory_mb`, file size, open files, no core dumps, tasks = `max_procs`) and
+  Landlock, reports what is in force, then runs `main.py` and reports its real exit status.
+  The parent runs no Python between fork and exec (no `preexec_fn`): that would risk a
+  deadlock in a threaded trainer, and RLIMIT_NPROC set there counted the trainer's threads.
+- **a wall-clock timeout** kills bwrap, and with it (`--die-with-parent`, the PID namespace's
+  init) every process of the sandbox, also one that left the group with `setsid`.
+
+Where bwrap or unprivileged user namespaces are missing, `run` raises `SandboxUnavailable`
+naming the missing piece, unless `unsafe_allow` (`envs.sandbox_unsafe_allow`): then CHILD runs
+without bwrap (rlimits, Landlock, an own network namespace where allowed, the throw-away uid
+as root), and `isolation.namespaces` is empty.
+
+Output is read as it comes and capped at `max_output_bytes` per stream, so a program printing
+forever cannot fill the trainer's memory. `isolation` in the result reports each layer that
+was in force, measured in the child, not assumed.
 """
 
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import json
+import logging
 import os
 import random
-import resource
 import shutil
 import signal
-import stat
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from furlong.envs.sandbox import jail
 from furlong.envs.sandbox.base import SandboxLimits, check_names, result_status
+from furlong.envs.sandbox.jail import SandboxUnavailable
 
 if TYPE_CHECKING:
     from furlong.config.schema import EnvsConfig
 
-_LIBC = ctypes.CDLL(None, use_errno=True)
-CLONE_NEWUSER, CLONE_NEWNET = 0x10000000, 0x40000000
-PR_SET_NO_NEW_PRIVS = 38
-SYS_LANDLOCK_CREATE_RULESET, SYS_LANDLOCK_ADD_RULE, SYS_LANDLOCK_RESTRICT_SELF = 444, 445, 446
-# Landlock filesystem rights that change the filesystem (reads and execution stay allowed everywhere).
-LL_WRITE_FILE, LL_TRUNCATE = 1 << 1, 1 << 14
-LL_WRITES_V1 = sum(1 << b for b in (1, 4, 5, 6, 7, 8, 9, 10, 11, 12))  # write, remove, make *
-LL_REFER = 1 << 13  # ABI 2
-LL_NET_BIND_TCP, LL_NET_CONNECT_TCP = 1 << 0, 1 << 1  # ABI 4
+__all__ = ["LocalSandbox", "SandboxUnavailable", "default_python"]
+
+log = logging.getLogger(__name__)
 UID_RANGE = (200_000, 2_000_000_000)  # throw-away uids for sandboxes run as root
-
-
-class _RulesetAttr(ctypes.Structure):
-    _fields_ = [("handled_access_fs", ctypes.c_uint64), ("handled_access_net", ctypes.c_uint64)]
-
-
-class _PathBeneath(ctypes.Structure):
-    _pack_ = 1
-    _fields_ = [("allowed_access", ctypes.c_uint64), ("parent_fd", ctypes.c_int32)]
-
-
-def landlock_abi() -> int:
-    """The kernel's Landlock ABI version, or 0 when Landlock is not available."""
-    _LIBC.syscall.restype = ctypes.c_long
-    version = _LIBC.syscall(SYS_LANDLOCK_CREATE_RULESET, None, ctypes.c_size_t(0), ctypes.c_uint32(1))
-    return max(int(version), 0)
-
-
-LANDLOCK_ABI = landlock_abi()
-
-
-def _world_usable(path: str) -> bool:
-    """Whether a user with no special rights can execute `path` (every parent dir searchable)."""
-    p = Path(path).resolve()
-    if not p.exists() or not p.stat().st_mode & stat.S_IXOTH:
-        return False
-    return all(d.stat().st_mode & stat.S_IXOTH for d in p.parents)
+CHILD_SOURCE = (Path(__file__).parent / "child.py").read_text()
+_WARNED: set[str] = set()  # one warning per missing piece and process, not one per run
 
 
 def default_python() -> str:
     """The interpreter for sandboxed code: this one, unless a throw-away uid could not run it."""
-    if os.geteuid() != 0 or _world_usable(sys.executable):
+    if os.geteuid() != 0 or jail.interpreter_usable_by_others(sys.executable):
         return sys.executable
     for candidate in ("/usr/bin/python3", "/usr/local/bin/python3"):
-        if _world_usable(candidate):
+        if jail.interpreter_usable_by_others(candidate):
             return candidate
     raise RuntimeError("LocalSandbox: no python3 that an unprivileged uid can run; pass python=")
-
-
-def _isolate(limits: SandboxLimits, workdir: str, uid: int | None, report_fd: int) -> None:
-    """Runs in the child between fork and exec. Only os/resource/ctypes calls: no imports, no locks."""
-    done: dict[str, Any] = {}
-    cpu = int(limits.timeout_s) + 1
-    resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))
-    mem = limits.memory_mb * 2**20
-    resource.setrlimit(resource.RLIMIT_AS, (mem, mem))
-    fsize = limits.max_file_mb * 2**20
-    resource.setrlimit(resource.RLIMIT_FSIZE, (fsize, fsize))
-    resource.setrlimit(resource.RLIMIT_NOFILE, (limits.max_open_files, limits.max_open_files))
-    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-    if limits.network:
-        done["network"] = "allowed"
-    elif _LIBC.unshare(CLONE_NEWNET) == 0:
-        done["network"] = "namespace"
-    elif uid is None and _LIBC.unshare(CLONE_NEWUSER | CLONE_NEWNET) == 0:
-        done["network"] = "user+net namespace"
-    if uid is not None:  # root: become a throw-away uid so NPROC and file permissions apply
-        os.setgroups([])
-        os.setgid(uid)
-        resource.setrlimit(resource.RLIMIT_NPROC, (limits.max_procs, limits.max_procs))
-        os.setuid(uid)
-        done["uid"] = uid
-    else:  # RLIMIT_NPROC counts every process of this uid, so allow those already running
-        mine = sum(1 for p in os.listdir("/proc") if p.isdigit() and _owned(p))
-        resource.setrlimit(resource.RLIMIT_NPROC, (mine + limits.max_procs, mine + limits.max_procs))
-    done["filesystem"] = (
-        "landlock"
-        if _landlock(workdir, net=not limits.network and "network" not in done)
-        else ("uid" if uid is not None else "unavailable")
-    )
-    if "network" not in done:
-        done["network"] = "landlock-tcp" if done["filesystem"] == "landlock" and LANDLOCK_ABI >= 4 else "unavailable"
-    os.write(report_fd, json.dumps(done).encode())
-    os.close(report_fd)
-
-
-def _owned(pid: str) -> bool:
-    try:
-        return os.stat(f"/proc/{pid}").st_uid == os.getuid()
-    except OSError:
-        return False
-
-
-def _landlock(workdir: str, *, net: bool) -> bool:
-    """Allow writes only beneath `workdir` (and /dev/null); with `net`, deny TCP too. False if refused."""
-    if LANDLOCK_ABI < 1:
-        return False
-    fs = LL_WRITES_V1 | (LL_REFER if LANDLOCK_ABI >= 2 else 0) | (LL_TRUNCATE if LANDLOCK_ABI >= 3 else 0)
-    attr = _RulesetAttr(fs, (LL_NET_BIND_TCP | LL_NET_CONNECT_TCP) if net and LANDLOCK_ABI >= 4 else 0)
-    size = ctypes.sizeof(_RulesetAttr) if LANDLOCK_ABI >= 4 else 8
-    ruleset = _LIBC.syscall(SYS_LANDLOCK_CREATE_RULESET, ctypes.byref(attr), ctypes.c_size_t(size), ctypes.c_uint32(0))
-    if ruleset < 0:
-        return False
-    try:
-        for path, rights in ((workdir, fs), ("/dev/null", LL_WRITE_FILE | (LL_TRUNCATE if LANDLOCK_ABI >= 3 else 0))):
-            fd = os.open(path, os.O_PATH | os.O_CLOEXEC)
-            try:
-                rule = _PathBeneath(rights, fd)
-                if _LIBC.syscall(SYS_LANDLOCK_ADD_RULE, ruleset, 1, ctypes.byref(rule), 0) != 0:
-                    return False
-            finally:
-                os.close(fd)
-        if _LIBC.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:
-            return False
-        return _LIBC.syscall(SYS_LANDLOCK_RESTRICT_SELF, ruleset, 0) == 0
-    finally:
-        os.close(ruleset)
 
 
 async def _read_capped(stream: asyncio.StreamReader, cap: int, kept: bytearray) -> bool:
@@ -181,23 +84,27 @@ async def _read_capped(stream: asyncio.StreamReader, cap: int, kept: bytearray) 
     return truncated
 
 
-def _kill_all(pgid: int, uid: int | None) -> None:
-    """Kill the process group and, under a throw-away uid, every process of that uid."""
+async def _pipe_reader(fd: int) -> tuple[asyncio.StreamReader, asyncio.BaseTransport]:
+    """An asyncio reader for the read end of a pipe (the child's report), so waiting never blocks the loop."""
+    loop = asyncio.get_running_loop()
+    reader = asyncio.StreamReader(limit=1 << 16)
+    transport, _ = await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), os.fdopen(fd, "rb", 0))
+    return reader, transport
+
+
+def _report(raw: bytearray) -> list[dict]:
+    """The child's report lines (what is in force; then main.py's exit status); [] where it never started."""
     try:
-        os.killpg(pgid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    if uid is None:
-        return
-    pid = os.fork()  # a reaper that becomes the uid: kill(-1) then reaches exactly that uid's processes
-    if pid == 0:
-        try:
-            os.setgid(uid)
-            os.setuid(uid)
-            os.kill(-1, signal.SIGKILL)
-        finally:
-            os._exit(0)
-    os.waitpid(pid, 0)
+        return [json.loads(line) for line in raw.decode(errors="replace").splitlines()[:2]]
+    except ValueError:
+        return []
+
+
+async def _kill_uid(uid: int, python: str) -> None:
+    """Without a PID namespace (unsafe_allow, as root): every process of the throw-away uid, via kill(-1)."""
+    code = "import os, signal\nos.kill(-1, signal.SIGKILL)"
+    proc = await asyncio.create_subprocess_exec(*jail.setpriv_argv(uid), python, "-I", "-c", code)
+    await proc.wait()
 
 
 def _workdir(files: dict[str, str], uid: int | None) -> str:
@@ -214,17 +121,66 @@ def _workdir(files: dict[str, str], uid: int | None) -> str:
     return workdir
 
 
+def _exit_code(returncode: int, report: list[dict], jailed: bool) -> int:
+    """main.py's exit status: the child's report; else (the child itself was killed) bwrap's, whose
+    128+N means signal N."""
+    if len(report) > 1 and isinstance(report[1].get("exit_code"), int):
+        return report[1]["exit_code"]
+    if jailed and report and returncode > 128:
+        return 128 - returncode
+    return returncode
+
+
 class LocalSandbox:
     """The default sandbox provider (`envs.sandbox: local`); see the module docstring."""
 
-    def __init__(self, limits: SandboxLimits | None = None, *, python: str | None = None):
+    def __init__(
+        self,
+        limits: SandboxLimits | None = None,
+        *,
+        python: str | None = None,
+        unsafe_allow: bool = False,
+        bwrap: str | None = None,
+    ):
         self.limits = limits or SandboxLimits()
         self.python = python or default_python()
+        self.unsafe_allow = unsafe_allow
+        self.bwrap = bwrap or jail.default_bwrap()
 
     @classmethod
     def from_config(cls, envs: EnvsConfig) -> LocalSandbox:
-        """From the `envs` config section (timeout_s, memory_mb, max_output_bytes, network)."""
-        return cls(SandboxLimits.from_config(envs))
+        """From the `envs` config section (timeout_s, memory_mb, max_output_bytes, network, sandbox_unsafe_allow)."""
+        return cls(SandboxLimits.from_config(envs), unsafe_allow=envs.sandbox_unsafe_allow)
+
+    async def _command(
+        self, limits: SandboxLimits, workdir: str, uid: int | None, report_fd: int
+    ) -> tuple[list[str], bool]:
+        """The argv of one run and whether it is in bwrap: bwrap when it works here; else a refusal, or
+        (unsafe_allow) the child alone."""
+        missing = await jail.probe(self.bwrap, self.python, uid)
+        if missing and not self.unsafe_allow:
+            raise SandboxUnavailable(jail.refusal(missing))
+        if missing and missing not in _WARNED:
+            _WARNED.add(missing)
+            log.warning("LocalSandbox without namespaces (envs.sandbox_unsafe_allow): %s", missing)
+        conf = {
+            "cpu_s": int(limits.timeout_s) + 1,
+            "memory_bytes": limits.memory_mb * 2**20,
+            "file_bytes": limits.max_file_mb * 2**20,
+            "open_files": limits.max_open_files,
+            "max_procs": limits.max_procs,
+            "network": limits.network,
+            "netns": not missing and not limits.network,
+            "namespaces": "" if missing else jail.NAMESPACES,
+            "uid": uid,
+            "workdir": workdir,
+            "python": self.python,
+            "report_fd": report_fd,
+        }
+        argv = jail.setpriv_argv(uid) if uid is not None else []
+        if not missing:
+            argv += jail.bwrap_argv(self.bwrap, self.python, workdir, network=limits.network)
+        return argv + [self.python, "-I", "-c", CHILD_SOURCE, json.dumps(conf)], not missing
 
     async def run(
         self, code: str, *, timeout_s: float | None = None, files: dict[str, str] | None = None, stdin: str = ""
@@ -232,7 +188,8 @@ class LocalSandbox:
         """Run `code` as `main.py` (beside `files`); returns stdout, stderr, exit_code, status and isolation.
 
         `status` is one of ok | error | timeout | memory | killed: what a reward needs to
-        tell a wrong answer from a contained escape attempt.
+        tell a wrong answer from a contained escape attempt. Raises `SandboxUnavailable` where
+        this machine cannot isolate the code and `unsafe_allow` is off.
         """
         limits = SandboxLimits(**{**self.limits.__dict__, "timeout_s": timeout_s or self.limits.timeout_s})
         files = {**(files or {}), "main.py": code}
@@ -240,21 +197,13 @@ class LocalSandbox:
         uid = random.randrange(*UID_RANGE) if os.geteuid() == 0 else None
         workdir = _workdir(files, uid)
         read_fd, write_fd = os.pipe()
-        env = {
-            "PATH": "/usr/bin:/bin",
-            "HOME": workdir,
-            "TMPDIR": workdir,
-            "LANG": "C.UTF-8",
-            "PYTHONDONTWRITEBYTECODE": "1",
-            "PYTHONUNBUFFERED": "1",
-        }
+        env = {"PATH": "/usr/bin:/bin", "HOME": workdir, "TMPDIR": workdir, "LANG": "C.UTF-8"}
+        env |= {"PYTHONDONTWRITEBYTECODE": "1", "PYTHONUNBUFFERED": "1"}
         start = time.monotonic()
         try:
+            argv, jailed = await self._command(limits, workdir, uid, write_fd)
             proc = await asyncio.create_subprocess_exec(
-                self.python,
-                "-E",
-                "-s",
-                "main.py",
+                *argv,
                 cwd=workdir,
                 env=env,
                 start_new_session=True,
@@ -262,7 +211,6 @@ class LocalSandbox:
                 stdin=asyncio.subprocess.PIPE if stdin else asyncio.subprocess.DEVNULL,
                 stdout=asyncio.subprocess.PIPE,
                 stderr=asyncio.subprocess.PIPE,
-                preexec_fn=lambda: _isolate(limits, workdir, uid, write_fd),
             )
         except BaseException:
             os.close(read_fd)
@@ -270,54 +218,72 @@ class LocalSandbox:
             raise
         finally:
             os.close(write_fd)
+        report_reader, transport = await _pipe_reader(read_fd)
         try:
-            isolation = json.loads(os.read(read_fd, 4096) or b"{}")
+            result = await self._wait(proc, limits, stdin.encode(), report_reader, uid, jailed)
         finally:
-            os.close(read_fd)
-        out, err = bytearray(), bytearray()
+            transport.close()
+            shutil.rmtree(workdir, ignore_errors=True)
+        return {**result, "duration_s": time.monotonic() - start}
+
+    async def _wait(
+        self,
+        proc: Any,
+        limits: SandboxLimits,
+        stdin: bytes,
+        report_reader: asyncio.StreamReader,
+        uid: int | None,
+        jailed: bool,
+    ) -> dict[str, Any]:
+        """Feed stdin, wait for the exit or the timeout, kill what is left, collect output and the report."""
+        out, err, report_raw = bytearray(), bytearray(), bytearray()
         reads = asyncio.gather(
             _read_capped(proc.stdout, limits.max_output_bytes, out),
             _read_capped(proc.stderr, limits.max_output_bytes, err),
+            _read_capped(report_reader, 1 << 16, report_raw),
         )
 
-        async def main_exit() -> int:
-            """main.py's exit status. Not `proc.wait()`: that also waits for the pipes to close,
+        async def exited() -> int:
+            """The sandbox's exit status. Not `proc.wait()`: that also waits for the pipes to close,
             which a child that outlives main.py would hold open until the timeout."""
-            if stdin:
-                proc.stdin.write(stdin.encode())
-                proc.stdin.close()
             delay = 0.001
             while proc.returncode is None:
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 0.02)
             return proc.returncode
 
+        if proc.stdin is not None:
+            proc.stdin.write(stdin)
+            proc.stdin.close()
         timed_out = escaped = False
         try:
-            code_ = await asyncio.wait_for(main_exit(), limits.timeout_s)
+            returncode = await asyncio.wait_for(exited(), limits.timeout_s)
         except TimeoutError:
             timed_out = True
         finally:  # also reaches children that outlived main.py and still hold its pipes open
-            _kill_all(proc.pid, uid)
             try:
-                code_ = await main_exit()
-                out_cut, err_cut = await asyncio.wait_for(asyncio.shield(reads), 2.0)
-            except TimeoutError:  # not root: a child that left the process group keeps the pipes open
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            if uid is not None and not jailed:
+                await _kill_uid(uid, self.python)
+            returncode = await exited()
+            try:
+                out_cut, err_cut, _ = await asyncio.wait_for(asyncio.shield(reads), 2.0)
+            except TimeoutError:  # no PID namespace: a child that left the process group keeps the pipes open
                 escaped, out_cut, err_cut = True, False, False
                 reads.cancel()
-            finally:
-                shutil.rmtree(workdir, ignore_errors=True)
+        report = _report(report_raw)
+        exit_code = _exit_code(returncode, report, jailed)
         stderr = err.decode(errors="replace")
-        status = result_status(timed_out, code_, stderr)
         return {
             "stdout": out.decode(errors="replace"),
             "stderr": stderr,
-            "exit_code": code_,
-            "status": status,
+            "exit_code": exit_code,
+            "status": result_status(timed_out, exit_code, stderr),
             "timed_out": timed_out,
             "truncated": out_cut or err_cut,
-            "duration_s": time.monotonic() - start,
-            "isolation": isolation,
+            "isolation": report[0] if report else {},
             "escaped_processes": escaped,
         }
 
