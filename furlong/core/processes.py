@@ -18,7 +18,6 @@ from pathlib import Path
 
 import httpx
 
-
 ADMIN_TOKEN_ENV = "FURLONG_ADMIN_TOKEN"  # how a server furlong starts gets the run's admin token
 
 

@@ -59,6 +59,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from furlong.core import api
 from furlong.core.app_thread import AppThread
 from furlong.router.bodies import MAX_BODY_BYTES, BodyTooLarge, check_limit, read_body
 from furlong.router.health import HEALTHY, Engine, EnginePool, normalize_url
@@ -68,20 +69,9 @@ log = logging.getLogger("furlong.router")
 
 ROUTING_HEADER = "x-routing-key"
 ENGINE_HEADER = "X-Furlong-Engine"
-FORWARD_POST = ("/generate", "/v1/chat/completions", "/v1/completions", "/tokenize", "/detokenize")
-FORWARD_GET = ("/get_model_info", "/health_generate", "/v1/models", "/get_server_info", "/get_weight_version")
-CONTROL = (
-    "/abort_request",
-    "/pause_generation",
-    "/continue_generation",
-    "/flush_cache",
-    "/update_weights_from_tensor",
-    "/update_weights_from_disk",
-    "/init_weights_update_group",
-    "/destroy_weights_update_group",
-    "/update_weights_from_distributed",
-    "/get_weights_checksum",
-)
+FORWARD_POST = (api.GENERATE, "/v1/chat/completions", "/v1/completions", api.TOKENIZE, api.DETOKENIZE)
+FORWARD_GET = (api.MODEL_INFO, api.HEALTH_GENERATE, "/v1/models", api.SERVER_INFO, api.WEIGHT_VERSION)
+CONTROL = api.CONTROL_PATHS  # fanned out to every engine; the engine API's one list (furlong/core/api.py)
 RETRY_STATUSES = (502, 503)
 # Not forwarded in either direction: they describe one hop, not the message.
 _HOP_HEADERS = frozenset(
