@@ -44,21 +44,6 @@ class TrainerHooks:
     convert_fn: ConvertFn | None = None
     before_train_step: BeforeTrainStepFn | None = None
 
-    @classmethod
-    def from_plugins(cls, loaded: dict[str, Any], train_cfg: Any) -> TrainerHooks:
-        """From `registry.load_all(cfg)`'s result (config key -> resolved function), for the keys the user set.
-
-        A plug point left unset in `train_cfg` stays None (the built-in), even where the
-        registry knows a default function: the built-in path is the algorithm's own, and its
-        errors keep their own types instead of being reported as a user plug point's.
-        """
-        return cls(
-            **{
-                f.name: loaded.get(f"train.{f.name}") if getattr(train_cfg, f.name) is not None else None
-                for f in fields(cls)
-            }
-        )
-
     def named(self) -> TrainerHooks:
         """A copy whose every function reports its failures as `PlugPointFailed` naming `train.<field>`."""
         return TrainerHooks(**{f.name: _named(f"train.{f.name}", getattr(self, f.name)) for f in fields(self)})

@@ -136,13 +136,3 @@ def test_train_rollout_returns_its_provenance() -> None:
     assert [len(a) for a in out["advantages"]] == [s.response_length for s in batch]
     for got, w in zip(out["train_logprobs"], want):
         assert got == pytest.approx(w, abs=1e-5)
-
-
-def test_hooks_from_loaded_plugins_take_the_train_keys() -> None:
-    def f(*a, **k):
-        return None
-
-    loaded = {"train.loss_fn": f, "train.convert_fn": f, "train.after_save": f, "rollout.reward_fn": f}
-    hooks = TrainerHooks.from_plugins(loaded, TrainConfig(loss_fn="m:f"))
-    assert hooks.loss_fn is f and hooks.advantage_fn is None and hooks.before_train_step is None
-    assert hooks.convert_fn is None  # a registry default the config did not set stays the built-in
