@@ -13,7 +13,7 @@ export TRANSFORMERS_OFFLINE := 1
 export HF_DATASETS_OFFLINE := 1
 export RAY_USAGE_STATS_ENABLED := 0
 
-.PHONY: setup envs demo test test-fast test-extended docs check-claims clean
+.PHONY: setup envs demo test test-fast test-extended docs screenshots check-claims clean
 
 $(STAMP): pyproject.toml constraints.txt
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -48,6 +48,11 @@ test-extended: setup envs
 docs: setup
 	$(BIN)/python -m tools.claims --write-reference
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
+
+# The dashboard screenshots in docs/img/ (dashboard-<view>.png), taken of the browser tests' real run.
+# Only this command writes them: a test run leaves every tracked file as it found it.
+screenshots: setup
+	FURLONG_SCREENSHOTS=1 $(BIN)/python -m pytest -q -p no:cacheprovider tests/browser/test_dashboard_views.py
 
 # Links, anchors, counts, figures, the feature manifest against the last JUnit report
 # (.reports/junit.xml, written by `make test`) and the staleness of generated pages.

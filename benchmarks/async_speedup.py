@@ -11,10 +11,16 @@ What is timed: steady state only. After `--warmup` untimed steps, from the end o
 warm-up step to the end of the last of `--steps` timed steps, from the per-step wall clock in
 each run's `metrics.jsonl` (rollout + train + weight sync + logging); Ray and engine start-up,
 eval and the final checkpoint are outside the window. samples/s = samples trained in the
-window / window seconds. Async modes prefetch up to their buffer bound, so a short window can
-flatter them by at most that much work; the default warm-up of 2 steps lets the buffer settle.
+window / window seconds. Each mode runs `--runs` times (default 3); the median run is
+reported. Async modes prefetch up to their buffer bound, so a short window can flatter them
+by at most that much work; the default warm-up of 2 steps lets the buffer settle.
 
-    python benchmarks/async_speedup.py [--steps 4] [--warmup 2] [--threads 2] [--size m25] [--smoke]
+`--env-latency`: the agentic workload async is for — each episode makes 4 tool calls of
+100-300 ms between its 5 generation turns (`rl_bench.env_latency_generate`; same policy tokens).
+The machine line (`_machine.header`) is printed first.
+
+    python benchmarks/async_speedup.py [--steps 5] [--runs 3] [--warmup 2] [--threads 2] [--size m25]
+        [--env-latency] [--smoke]
 
 Last line: `SPEEDUP overlap_vs_sync=<x> async_vs_sync=<y>`.
 """
@@ -22,21 +28,25 @@ Last line: `SPEEDUP overlap_vs_sync=<x> async_vs_sync=<y>`.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 
-from rl_bench import MODES, Work, breakdown, run_furlong, shutdown_ray
+import _machine
+from rl_bench import MODES, Work, breakdown, median_run, run_furlong, shutdown_ray
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=4, help="timed steps per mode")
+    ap.add_argument("--steps", type=int, default=5, help="timed steps per mode")
+    ap.add_argument("--runs", type=int, default=3, help="runs per mode; the median run is reported")
     ap.add_argument("--warmup", type=int, default=2, help="untimed steps first")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--size", default="m25", choices=("tiny", "small", "m25"))
     ap.add_argument(
         "--smoke", action="store_true", help="tiny model, 2x2 samples of 8 tokens, 1 timed step: proves the script runs"
     )
+    ap.add_argument("--env-latency", action="store_true", help="episodes with 4 tool calls of 100-300 ms each")
     args = ap.parse_args(argv)
     if args.warmup < 1 or args.steps < 1:
         ap.error("--warmup and --steps must be >= 1")
@@ -44,16 +54,19 @@ def main(argv: list[str] | None = None) -> int:
     work = Work(size=args.size, steps=args.steps, warmup=args.warmup, threads=args.threads)
     if args.smoke:
         work = Work(size="tiny", prompts=2, group=2, new_tokens=8, steps=1, warmup=1, threads=args.threads, n_train=16)
+    if args.env_latency:
+        work = dataclasses.replace(work, generate_fn="rl_bench:env_latency_generate")
+    _machine.header()
     print(
         f"work: qwen3-{work.size}, {work.prompts} prompts x {work.group} samples x {work.new_tokens} tokens per step, "
-        f"{work.warmup} warm-up + {work.steps} timed steps, {work.threads} threads; "
+        f"{work.warmup} warm-up + {work.steps} timed steps, {work.threads} threads; workload {work.generate_fn}; "
         f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores",
         flush=True,
     )
     res: dict[str, dict[str, float]] = {}
     try:
         for mode in MODES:
-            res[mode] = run_furlong(work, mode)
+            res[mode] = median_run(lambda mode=mode: run_furlong(work, mode), 1 if args.smoke else args.runs)
             print(f"  measured {mode}: {res[mode]['samples_per_s']:.2f} samples/s", flush=True)
     finally:
         shutdown_ray()

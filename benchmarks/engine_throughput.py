@@ -2,11 +2,18 @@
 
 Same model (the locally built ~25M-parameter qwen3 `m25`), same 32 prompts,
 64 new tokens each (eos ignored so every system produces exactly 32 × 64
-tokens), greedy, fp32, in one run. Also measures the machine's fp32 matmul
-peak and turns it into a tokens/s roofline (≈ 2·params FLOP per token) so
-every figure is also shown as a fraction of what the hardware allows.
+tokens), greedy, fp32, in one run. Every figure is the median of 3 runs
+(64 decode steps each). The machine line (`_machine.header`: CPU, flags, this
+run's GEMM peak and memcpy bandwidth) comes first, and the roofline is
+min(compute, bandwidth) counting every processed token — prompt and generated
+(2 x params FLOP each) — and the weights + KV each decode step must stream.
+A "mixed lengths" row gives each request a different `max_new_tokens`, so
+requests finish at different steps, as in real traffic; a "groups" row sends 4 prompts
+x 8 samples (GRPO groups: one prefill per group; greedy, so same token work). `--profile` prints a
+torch.profiler top-10 of one engine run. Last line:
+`RATIO engine_vs_hf=<x> engine_of_roofline=<y>`.
 
-    python benchmarks/engine_throughput.py [--threads 2] [--prompts 32] [--new-tokens 64]
+    python benchmarks/engine_throughput.py [--threads 2] [--prompts 32] [--new-tokens 64] [--profile]
 """
 
 from __future__ import annotations
@@ -22,25 +29,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-
-def matmul_gflops(n: int = 1024, seconds: float = 1.5) -> dict[str, float]:
-    """fp32 GFLOP/s of an n x n matmul through each library torch can use here: MKL (`torch.mm`, what HF
-    runs on) and oneDNN with a pre-packed weight (what the engine runs on when available). The roofline
-    is the better of the two, so no system is measured against a slower library than it could use."""
-    from furlong.engine.model import pick_linear
-
-    a, b = torch.randn(n, n), torch.randn(n, n)
-    linear, pack = pick_linear(torch.float32)
-    packed = pack(b)
-    out = {}
-    for name, fn in (("mkl", lambda: torch.mm(a, b)), ("onednn", lambda: linear(a, packed))):
-        fn()
-        reps, t0 = 0, time.perf_counter()
-        while time.perf_counter() - t0 < seconds:
-            fn()
-            reps += 1
-        out[name] = 2 * n**3 * reps / (time.perf_counter() - t0) / 1e9
-    return out
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _machine  # noqa: E402
 
 
 def make_prompts(tok, n: int) -> list[list[int]]:
@@ -62,30 +52,60 @@ def bench_hf(path, prompts, new_tokens) -> float:
     kw = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0, use_cache=True)
     with torch.no_grad():
         hf.generate(input_ids=ids[:2], attention_mask=att[:2], **{**kw, "max_new_tokens": 4, "min_new_tokens": 4})
-        t0 = time.perf_counter()
-        out = hf.generate(input_ids=ids, attention_mask=att, **kw)
-        dt = time.perf_counter() - t0
-    assert out.shape[1] - L == new_tokens
-    return len(prompts) * new_tokens / dt
+
+        def run() -> float:
+            t0 = time.perf_counter()
+            out = hf.generate(input_ids=ids, attention_mask=att, **kw)
+            dt = time.perf_counter() - t0
+            assert out.shape[1] - L == new_tokens
+            return len(prompts) * new_tokens / dt
+
+        return _machine.median_of(run)[0]
 
 
-def bench_engine(path, prompts, new_tokens) -> float:
+def bench_engine(path, prompts, new_tokens, mixed: bool = False, profile: bool = False, groups: int = 0) -> float:
+    """Median of 3 runs; `mixed`: request i asks for a different length (finishes at its own step);
+    `groups`: the prompts are `groups` prompts repeated (GRPO groups, one prefill per group)."""
     from furlong.engine.engine import Engine
     from furlong.engine.request import Request
     from furlong.engine.sampler import SamplingParams
 
+    if groups:
+        prompts = [prompts[i // (len(prompts) // groups)] for i in range(len(prompts))]
     eng = Engine(path, max_running=len(prompts), kv_cache_mb=256).start()
     sp = lambda n: SamplingParams(max_new_tokens=n, temperature=0, ignore_eos=True)
-    try:
-        eng.generate([Request(p, sp(4)) for p in prompts[:2]], timeout=120)  # warm-up
+    lens = [
+        max(4, new_tokens // 4 + (i * 37) % (new_tokens - new_tokens // 4 + 1)) if mixed else new_tokens
+        for i in range(len(prompts))
+    ]
+
+    def run() -> float:
         eng.flush_cache().result()
         t0 = time.perf_counter()
-        reqs = eng.generate([Request(p, sp(new_tokens)) for p in prompts], timeout=600)
+        reqs = eng.generate([Request(p, sp(n)) for p, n in zip(prompts, lens)], timeout=600)
         dt = time.perf_counter() - t0
+        assert [len(r.output_ids) for r in reqs] == lens
+        return sum(lens) / dt
+
+    try:
+        eng.generate([Request(p, sp(4)) for p in prompts[:2]], timeout=120)  # warm-up
+        if profile:  # on this thread: the profiler records the thread that starts it, not the scheduler's
+            inline = Engine(path, max_running=len(prompts), kv_cache_mb=256)
+            step_inline(inline, [Request(p, sp(4)) for p in prompts[:2]])  # warm-up
+            reqs = [Request(p, sp(n)) for p, n in zip(prompts, lens)]
+            _machine.profile_top10(lambda: step_inline(inline, reqs), "engine scheduler steps, one run")
+        return _machine.median_of(run)[0]
     finally:
         eng.stop()
-    assert all(len(r.output_ids) == new_tokens for r in reqs)
-    return len(prompts) * new_tokens / dt
+
+
+def step_inline(eng, reqs) -> None:
+    """Run requests through a (not started) engine's scheduler steps on the calling thread (for profiling)."""
+    for r in reqs:
+        eng._add(r)
+    with torch.no_grad():
+        while eng.running or eng.waiting:
+            eng._step()
 
 
 def free_port() -> int:
@@ -164,12 +184,17 @@ def bench_http_router(path, prompts, new_tokens, threads: int) -> float:
         with httpx.Client(timeout=600, limits=httpx.Limits(max_connections=64)) as c:
             assert c.post(url + "/generate", json=body(prompts[0], 4)).status_code == 200  # warm-up
             c.post(url + "/flush_cache")
-            with ThreadPoolExecutor(len(prompts)) as pool:
-                t0 = time.perf_counter()
-                outs = list(pool.map(lambda p: c.post(url + "/generate", json=body(p, new_tokens)).json(), prompts))
-                dt = time.perf_counter() - t0
-        assert all(len(o["output_ids"]) == new_tokens for o in outs), outs[0]
-        return len(prompts) * new_tokens / dt
+
+            def run() -> float:
+                c.post(url + "/flush_cache")
+                with ThreadPoolExecutor(len(prompts)) as pool:
+                    t0 = time.perf_counter()
+                    outs = list(pool.map(lambda p: c.post(url + "/generate", json=body(p, new_tokens)).json(), prompts))
+                    dt = time.perf_counter() - t0
+                assert all(len(o["output_ids"]) == new_tokens for o in outs), outs[0]
+                return len(prompts) * new_tokens / dt
+
+            return _machine.median_of(run)[0]
     finally:
         for p in reversed(procs):
             p.terminate()
@@ -184,11 +209,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--size", default="m25")
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--skip-http", action="store_true")
+    ap.add_argument("--profile", action="store_true", default=_machine.profiling(), help="torch.profiler top-10")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     from furlong.models import create_model, load_tokenizer
 
+    info = _machine.header()
     path = create_model("qwen3", args.size)
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.from_pretrained(path)
     n_params = sum(
         t.numel()
         for t in __import__("safetensors.torch", fromlist=["load_file"])
@@ -196,14 +226,18 @@ def main(argv: list[str] | None = None) -> int:
         .values()
     )
     prompts = make_prompts(load_tokenizer(path), args.prompts)
+    mean_prompt = sum(map(len, prompts)) // len(prompts)
     print(
-        f"model qwen3-{args.size}: {n_params / 1e6:.1f}M params; {args.prompts} prompts × {args.new_tokens} new tokens; "
-        f"{args.threads} threads; prompt lengths {min(map(len, prompts))}-{max(map(len, prompts))}",
+        f"model qwen3-{args.size}: {n_params / 1e6:.1f}M params; "
+        f"{args.prompts} prompts × {args.new_tokens} new tokens; "
+        f"{args.threads} threads; prompt lengths {min(map(len, prompts))}-{max(map(len, prompts))}; median of 3 runs",
         flush=True,
     )
-    peaks = matmul_gflops()
-    gflops = max(peaks.values())
-    roofline = gflops * 1e9 / (2 * n_params)
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    kv_bytes = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * 4
+    roofline = _machine.decode_roofline_tok_s(
+        n_params, 4 * n_params, mean_prompt, args.new_tokens, args.prompts, kv_bytes, info
+    )
     rows: list[tuple[str, float | None, str]] = []
     rows.append(
         (
@@ -213,7 +247,9 @@ def main(argv: list[str] | None = None) -> int:
         )
     )
     print("  measured HF generate", flush=True)
-    rows.append(("furlong engine, in-process", bench_engine(path, prompts, args.new_tokens), ""))
+    rows.append(("furlong engine, in-process", bench_engine(path, prompts, args.new_tokens, profile=args.profile), ""))
+    rows.append(("furlong engine, mixed lengths", bench_engine(path, prompts, args.new_tokens, mixed=True), ""))
+    rows.append(("furlong engine, 4 prompts x 8 (groups)", bench_engine(path, prompts, args.new_tokens, groups=4), ""))
     print("  measured engine in-process", flush=True)
     if args.skip_http:
         rows.append(("furlong engine, HTTP via router, 32 clients", None, "skipped (--skip-http)"))
@@ -229,8 +265,11 @@ def main(argv: list[str] | None = None) -> int:
                 "",
             )
         )
+    g = info["gemm"]
     print(
-        f"\nfp32 matmul peak: {gflops:.1f} GFLOP/s (MKL {peaks['mkl']:.0f}, oneDNN packed {peaks['onednn']:.0f})  ->  roofline {roofline:,.0f} tok/s (2 x {n_params / 1e6:.1f}M FLOP/token)\n"
+        f"\nroofline {roofline:,.0f} tok/s = min(compute: {g['peak']:.0f} GFLOP/s over 2 x {n_params / 1e6:.1f}M FLOP "
+        f"per processed token, prompt included; bandwidth: {info['bandwidth_gbs']:.1f} GB/s over the weights per "
+        f"decode step + KV read)\n"
     )
     print(f"{'system':<46}{'tok/s':>10}{'of roofline':>13}{'vs HF':>9}")
     hf = rows[0][1]
@@ -240,12 +279,14 @@ def main(argv: list[str] | None = None) -> int:
             continue
         vs = f"{tps / hf:.2f}x" if hf else "-"
         print(f"{name:<46}{tps:>10,.0f}{tps / roofline:>12.0%}{vs:>9}")
-    print(f"{'roofline (fp32 matmul peak)':<46}{roofline:>10,.0f}{1:>12.0%}")
+    print(f"{'roofline min(compute, bandwidth)':<46}{roofline:>10,.0f}{1:>12.0%}")
     load = os.getloadavg()[0]
     print(
         f"\nload average {load:.1f} on {os.cpu_count()} cores"
         + (" - other work shared the CPU; these figures understate every system" if load > args.threads + 0.5 else "")
     )
+    eng = rows[1][1]
+    print(f"RATIO engine_vs_hf={eng / hf if hf else float('nan'):.2f} engine_of_roofline={eng / roofline:.2f}")
     return 0
 
 

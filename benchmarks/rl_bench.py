@@ -16,13 +16,15 @@ from __future__ import annotations
 
 import asyncio
 import json
+import random
 import statistics
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from furlong.core.sample import Sample
+from furlong.core.sample import Sample, Source, Status
 from furlong.rollout.generate import RolloutContext, generate
 
 MODES = ("sync", "overlap", "async")
@@ -31,6 +33,32 @@ MODES = ("sync", "overlap", "async")
 async def exact_length_generate(ctx: RolloutContext, sample: Sample, sampling_params: dict[str, Any]) -> Sample:
     """The default generate function with end-of-sequence ignored: responses are exactly max_new_tokens long."""
     return await generate(ctx, sample, {**sampling_params, "ignore_eos": True})
+
+
+TOOL_TURNS = 4  # tool calls per episode of the environment-latency workload
+TOOL_LATENCY_S = (0.1, 0.3)
+
+
+async def env_latency_generate(ctx: RolloutContext, sample: Sample, sampling_params: dict[str, Any]) -> Sample:
+    """An agentic episode with environment latency: the response's `max_new_tokens` policy tokens come in
+    TOOL_TURNS + 1 turns, and between turns a tool call takes 100-300 ms (a sleep standing in for a
+    calculator or a sandboxed interpreter) and answers with 4 tool tokens (loss-masked). The token work
+    equals `exact_length_generate`'s; what differs is the waiting, which only overlap/async can hide."""
+    total = int(sampling_params["max_new_tokens"])
+    per_turn = max(1, total // (TOOL_TURNS + 1))
+    rng = random.Random(sum(sample.tokens[: sample.prompt_length]) * 7919 + sample.prompt_length)
+    policy = lambda: sum(1 for src in sample.token_sources if src == Source.POLICY)
+    for turn in range(TOOL_TURNS + 1):
+        want = total if turn == TOOL_TURNS else min(total, policy() + per_turn)
+        budget = sample.response_length + (want - policy())
+        if want <= policy():
+            continue
+        await generate(ctx, sample, {**sampling_params, "ignore_eos": True, "max_new_tokens": budget})
+        if Status(sample.status) == Status.ABORTED or turn == TOOL_TURNS:
+            return sample
+        await asyncio.sleep(rng.uniform(*TOOL_LATENCY_S))  # the tool call
+        sample.append(sample.tokens[:4], source=Source.TOOL)
+    return sample
 
 
 @dataclass(frozen=True)
@@ -48,6 +76,7 @@ class Work:
     threads: int = 2  # cores given to the whole system
     n_train: int = 256  # prompt pool
     seed: int = 0
+    generate_fn: str = "rl_bench:exact_length_generate"  # or rl_bench:env_latency_generate
 
     @property
     def samples_per_step(self) -> int:
@@ -69,7 +98,7 @@ def furlong_overrides(work: Work, mode: str, run_dir: Path) -> list[str]:
         f"rollout.rollout_batch_size={work.prompts}",
         f"rollout.n_samples_per_prompt={work.group}",
         f"rollout.max_new_tokens={work.new_tokens}",
-        "rollout.generate_fn=rl_bench:exact_length_generate",
+        f"rollout.generate_fn={work.generate_fn}",
         f"train.global_batch_size={work.samples_per_step}",
         "train.num_steps_per_rollout=1",
         f"train.total_steps={work.warmup + work.steps}",
@@ -80,7 +109,11 @@ def furlong_overrides(work: Work, mode: str, run_dir: Path) -> list[str]:
 
 
 def steady_state(rows: list[dict[str, Any]], warmup: int) -> dict[str, float]:
-    """samples/s over the steps after `warmup`, and the mean per-step time split the driver logs."""
+    """samples/s over the steps after `warmup`, and the mean per-step time split the driver logs.
+
+    Only RL-step rows count (those with `rollout/samples`): the driver also writes other rows per
+    step (e.g. the timeline's own `time/timeline_*` costs) that are no step of their own."""
+    rows = [r for r in rows if "rollout/samples" in r]
     if len(rows) <= warmup or warmup < 1:
         raise ValueError(f"need at least {warmup + 1} logged steps with warmup >= 1, got {len(rows)}")
     timed = rows[warmup:]
@@ -125,6 +158,12 @@ def run_furlong(work: Work, mode: str, run_dir: Path | None = None, extra: tuple
     asyncio.run(Run(cfg, progress=False).run())
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     return steady_state(rows, work.warmup)
+
+
+def median_run(fn: Callable[[], dict[str, float]], runs: int) -> dict[str, float]:
+    """The figures of the median run (by samples/s) of `runs` runs of `fn`; `all_samples_per_s` lists every run."""
+    results = sorted((fn() for _ in range(max(1, runs))), key=lambda r: r["samples_per_s"])
+    return {**results[len(results) // 2], "all_samples_per_s": [r["samples_per_s"] for r in results]}
 
 
 def shutdown_ray() -> None:

@@ -37,6 +37,9 @@ import torch
 from furlong.core.net import free_port
 from furlong.weights.factory import TRANSPORTS
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _machine  # noqa: E402
+
 TOKEN = "bench"
 
 
@@ -227,6 +230,7 @@ def main(argv: list[str] | None = None) -> int:
     if bad:
         p.error(f"--transports: unknown {bad}; choose from {list(TRANSPORTS)}")
     torch.set_num_threads(args.threads)
+    _machine.header()
     from furlong.models import create_model
 
     workdir = Path(tempfile.mkdtemp(prefix="furlong-wsync-"))

@@ -19,10 +19,12 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "router": ("furlong.router.cli:main", "start the router in front of engine servers"),
     "dashboard": ("furlong.dashboard.cli:main", "serve the dashboard of a run directory"),
     "bench": ("furlong.bench:main", "run a benchmark from benchmarks/"),
+    "profile": ("furlong.profile:main", "furlong profile RECIPE: a few steps under torch.profiler, one trace"),
     "doctor": ("furlong.doctor:main", "check versions, threads, devices and the run directory"),
     "config": ("furlong.config.cli:main", "furlong config show RECIPE [key=value ...]"),
     "plugins": ("furlong.config.cli:plugins_main", "list every plug point with its signature"),
     "models": ("furlong.models.cli:main", "furlong models create --arch A --size S --out DIR"),
+    "tito": ("furlong.models.tito_check:main", "furlong tito check MODEL_DIR: does the chat template continue TITO"),
     "export": ("furlong.train.export:main", "furlong export RUN_DIR --hf OUT"),
     "envs": ("furlong.envs.cli:main", "manage agent-environment connectors"),
 }

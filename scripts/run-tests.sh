@@ -2,7 +2,8 @@
 # Runs ruff (format and lint), then the whole suite. pytest's exit 5 ("no tests ran") is turned into a failure,
 # and a run that collected fewer tests than the floor below fails too, so an
 # import error that silently empties a directory can never pass as green. Then the claims
-# check (python -m tools.claims) proves the README and docs against this run.
+# check (python -m tools.claims) proves the README and docs against this run. A suite that leaves a
+# tracked file modified (a test writing into the working tree) fails as well.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 MIN_TESTS=${FURLONG_MIN_TESTS:-600}
@@ -11,8 +12,26 @@ mkdir -p .reports; report=.reports/junit.xml
 LINT=(furlong tests tools benchmarks examples)
 .venv/bin/ruff format --check -q "${LINT[@]}" || { echo "FAIL: ruff format (run: .venv/bin/ruff format ${LINT[*]})" >&2; exit 1; }
 .venv/bin/ruff check -q "${LINT[@]}" || { echo "FAIL: ruff check (run: .venv/bin/ruff check --fix ${LINT[*]})" >&2; exit 1; }
-.venv/bin/python -m pytest -q -p no:cacheprovider --junitxml="$report" "$@"
+# Tracked files as the suite found them (skipped outside a git checkout, e.g. an unpacked sdist).
+tracked() { git diff --no-ext-diff HEAD -- . 2>/dev/null | git hash-object --stdin; git status --porcelain --untracked-files=no; }
+in_git=0; git rev-parse --is-inside-work-tree >/dev/null 2>&1 && in_git=1
+[ "$in_git" -eq 1 ] && before=$(tracked)
+# Two workers by default (FURLONG_TEST_WORKERS=1 runs serially): much of the suite waits on servers and
+# subprocesses starting, which a second worker overlaps. Whole files go to one worker (module fixtures
+# such as a shared chaos run stay shared), each worker's processes get one thread so two workers do not
+# oversubscribe the cores.
+workers=${FURLONG_TEST_WORKERS:-2}
+par=()
+if [ "$workers" -gt 1 ] && .venv/bin/python -c "import xdist" 2>/dev/null; then
+  par=(-n "$workers" --dist loadfile); export OMP_NUM_THREADS=1
+fi
+.venv/bin/python -m pytest -q -p no:cacheprovider "${par[@]}" --junitxml="$report" "$@"
 rc=$?
+if [ "$in_git" -eq 1 ] && [ "$(tracked)" != "$before" ]; then
+  echo "FAIL: the suite modified tracked files (a test must write under tmp_path, not the working tree):" >&2
+  git status --porcelain --untracked-files=no >&2
+  exit 1
+fi
 if [ "$rc" -eq 5 ]; then echo "FAIL: pytest ran no tests" >&2; exit 1; fi
 if [ "$rc" -ne 0 ]; then exit "$rc"; fi
 ran=$(.venv/bin/python -c "import sys,xml.etree.ElementTree as E; r=E.parse(sys.argv[1]).getroot(); s=r if r.tag=='testsuite' else r.find('testsuite'); print(int(s.get('tests'))-int(s.get('skipped')))" "$report")

@@ -33,6 +33,7 @@ FLOORS = (
     "train",
     "rollout",
     "envs",
+    "rewards",
     "cluster",
     "observe",
     "dashboard",

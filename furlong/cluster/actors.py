@@ -12,15 +12,20 @@ from typing import Any
 
 import ray
 
+from furlong.core import profiling, spans
+
 
 @ray.remote
 class ProcessActor:
     """Owns one server process (an engine or the router) on the node Ray placed it."""
 
-    def __init__(self, name: str, argv: list[str], port: int, log_path: str, threads: int | None):
+    def __init__(
+        self, name: str, argv: list[str], port: int, log_path: str, threads: int | None, url_host: str | None = None
+    ):
+        """`url_host`: the host its URL names (a node's IP when it binds a wildcard); None: the `--host` it binds."""
         from furlong.core.processes import ManagedProcess
 
-        host = "127.0.0.1" if "--host" not in argv else argv[argv.index("--host") + 1]
+        host = url_host or ("127.0.0.1" if "--host" not in argv else argv[argv.index("--host") + 1])
         self.proc = ManagedProcess(name, argv, f"http://{host}:{port}", log_path, threads)
 
     def start(self, timeout_s: float = 180.0) -> str:
@@ -57,8 +62,17 @@ class TrainerActor:
     ones that version names.
     """
 
-    def __init__(self, rank: int, world_size: int, master_port: int, threads: int | None, seed: int):
-        os.environ["MASTER_ADDR"] = "127.0.0.1"
+    def __init__(
+        self,
+        rank: int,
+        world_size: int,
+        master_port: int,
+        threads: int | None,
+        seed: int,
+        master_addr: str = "127.0.0.1",
+    ):
+        """`master_addr`: rank 0's node IP (the FSDP rendezvous); loopback when every rank is on one node."""
+        os.environ["MASTER_ADDR"] = master_addr
         os.environ["MASTER_PORT"] = str(master_port)
         self.rank, self.world_size, self.threads, self.seed = rank, world_size, threads, seed
         self.trainer = None
@@ -75,6 +89,7 @@ class TrainerActor:
         if self.threads:
             torch.set_num_threads(self.threads)
         torch.manual_seed(self.seed)
+        profiling.start(f"trainer-{self.rank}")  # only under `furlong profile` (FURLONG_PROFILE_DIR)
         self.trainer = Trainer(
             model_dir, train_cfg, algo_cfg, self.rank, self.world_size, temperature=temperature, hooks=hooks
         )
@@ -82,6 +97,10 @@ class TrainerActor:
 
     def pid(self) -> int:
         return os.getpid()
+
+    def spans(self, since: int = 0) -> dict:
+        """This rank's timeline spans after `since` (`furlong.core.spans`): the driver pulls them each step."""
+        return spans.RECORDER.since(since)
 
     def train_rollout(self, samples: list) -> dict:
         """Optimiser steps on one rollout batch: metrics, time span and (rank 0) per-token provenance."""
@@ -103,14 +122,16 @@ class TrainerActor:
         self.trainer.load(path)
         return self.trainer.step
 
-    def start_colocated_engine(self, model_dir: str, engine_args: dict, admin_token: str, port: int) -> str:
-        """cluster.colocate: the engine shares this process (and its device) with rank 0."""
+    def start_colocated_engine(
+        self, model_dir: str, engine_args: dict, admin_token: str, port: int, host: str = "127.0.0.1"
+    ) -> str:
+        """cluster.colocate: the engine shares this process (and its device) with rank 0; `host`: its bind address."""
         from furlong.engine.engine import Engine
         from furlong.engine.server import ServerThread
 
         engine = Engine(model_dir, **engine_args)
         engine.start()
-        self.engine = (engine, ServerThread(engine, admin_token, port=port).__enter__())
+        self.engine = (engine, ServerThread(engine, admin_token, host=host, port=port).__enter__())
         return self.engine[1].url
 
     def push_weights(self, transport: str, urls: list[str], admin_token: str, version: int, opts: dict) -> dict:
@@ -123,7 +144,8 @@ class TrainerActor:
             if self.sender is None:
                 self.sender = make_sender(transport, rank=self.rank, world_size=self.world_size, **opts)
                 self.sender.connect(urls, admin_token)
-            report = self.sender.push(self.trainer.state_dict_for_sync(), version)
+            with spans.span(f"trainer/{self.rank}", "weight-push", version=version, engines=len(urls)):
+                report = self.sender.push(self.trainer.state_dict_for_sync(), version)
         except Exception:
             self._drop_sender()  # an engine died under it: the next push reconnects
             raise
@@ -151,6 +173,7 @@ class TrainerActor:
         return {name: checksum(t) for name, t in self.trainer.state_dict_for_sync()}
 
     def shutdown(self) -> None:
+        profiling.stop()  # the actor is killed next: its atexit would not run
         if self.sender is not None and hasattr(self.sender, "close"):
             self.sender.close()
         if self.engine is not None:

@@ -28,14 +28,19 @@ def check_backend(engine: EngineConfig) -> None:
     require_backend(engine.backend)
 
 
-def engine_command(engine: EngineConfig, *, model_dir: str, port: int, admin_token: str, threads: int) -> Command:
-    """The argv (and, in its `env`, the admin token) of one engine process, for the launcher `engine.backend` names."""
+def engine_command(
+    engine: EngineConfig, *, model_dir: str, port: int, admin_token: str, threads: int, host: str | None = None
+) -> Command:
+    """The argv (and, in its `env`, the admin token) of one engine process, for the launcher `engine.backend` names.
+
+    `host`: the address to bind when the placement decides it (a node's IP across nodes); None: `engine.host`.
+    """
     from furlong.engine.launch import engine_argv
 
     return engine_argv(
         engine.backend,
         model_dir=model_dir,
-        host=engine.host,
+        host=host or engine.host,
         port=port,
         dtype=engine.dtype,
         kv_cache_mb=engine.kv_cache_mb,
@@ -44,6 +49,7 @@ def engine_command(engine: EngineConfig, *, model_dir: str, port: int, admin_tok
         prefix_cache=engine.prefix_cache,
         threads=threads,
         admin_token=admin_token,
+        device=engine.device,
     )
 
 
@@ -60,17 +66,22 @@ def colocated_engine_kwargs(engine: EngineConfig) -> dict[str, Any]:
         max_running=engine.max_running,
         max_context=engine.max_context,
         prefix_cache=engine.prefix_cache,
+        **({"device": engine.device} if engine.device != "auto" else {}),  # auto: the Engine's own default
     )
 
 
-def router_command(router: RouterConfig, *, engine_urls: list[str], port: int, admin_token: str) -> Command:
-    """The argv (and, in its `env`, the admin token) of the `furlong router` process in front of `engine_urls`."""
+def router_command(
+    router: RouterConfig, *, engine_urls: list[str], port: int, admin_token: str, host: str | None = None
+) -> Command:
+    """The argv (and, in its `env`, the admin token) of the `furlong router` process in front of `engine_urls`.
+
+    `host`: the address to bind when the placement decides it; None: `router.host`."""
     engines = [arg for url in engine_urls for arg in ("--engine", url)]
     argv = furlong_argv(
         "router",
         *engines,
         "--host",
-        router.host,
+        host or router.host,
         "--port",
         str(port),
         "--policy",

@@ -113,8 +113,9 @@ class EngineSupervisor:
         self.pause_mode, self.version = pause_mode, version
         r = router
         self.interval, self.timeout, self.unhealthy_after = r.health_interval_s, r.health_timeout_s, r.unhealthy_after
-        self.transport = weights.transport
+        self.transport = getattr(top, "transport", None) or weights.transport  # across nodes: what the placement allows
         self.push_opts = {"bucket_mb": weights.bucket_mb, "run_dir": str(run_dir), "verify": weights.verify}
+        self.push_opts.update(getattr(top, "weight_opts", None) or {})  # e.g. broadcast's rendezvous address
         self.slots = [EngineSlot(i, u.rstrip("/"), a) for i, (u, a) in enumerate(zip(top.engine_urls, top.engines))]
         self.router = EngineSlot(-1, top.router_url.rstrip("/"), top.router) if top.router is not None else None
         self.router_faults: list[dict[str, Any]] = []  # one record per router fault
@@ -172,6 +173,27 @@ class EngineSupervisor:
         assert self.lost is not None
         raise self.lost
 
+    def serving(self) -> bool:
+        """Whether a request can be served now: the router up and at least one engine serving."""
+        router_ok = self.router is None or self.router.state == OK
+        return router_ok and (not self.slots or any(s.state == OK for s in self.slots))
+
+    async def wait_serving(self) -> bool:
+        """Until a request can be served again; True when it had to wait (an outage), False at once otherwise.
+
+        The rollout manager calls it after a failed generate: a failure during an outage (every engine
+        being replaced, the router restarting) is not the sample's, so it waits here instead of spending
+        one of the sample's attempts and, once those are gone, dropping its prompt. While waiting,
+        `guard()` still ends the run with `EnginesLost` after `cluster.no_engine_timeout_s`.
+        """
+        if self.serving():
+            return False
+        while not self.serving():
+            if self.lost is not None:
+                raise self.lost
+            await asyncio.sleep(0.1)
+        return True
+
     async def wait_all_serving(self, timeout_s: float = 300.0) -> None:
         """Until every engine is serving again (tests and tools; the run itself never waits for this)."""
         deadline = time.monotonic() + timeout_s
@@ -217,6 +239,16 @@ class EngineSupervisor:
     def _name(self, s: EngineSlot) -> str:
         return "router" if s is self.router else f"engine-{s.index}"
 
+    def _down_report(self, down: list[EngineSlot]) -> str:
+        """What is down, each with its state, the fault's cause and its log file: the message a stopped run prints."""
+        return "; ".join(
+            f"{self._name(s)} ({s.url}) "
+            + (f"given up after {MAX_RESTART_ATTEMPTS} failed restarts" if s.state == FAILED else s.state)
+            + (f", its fault: {s.fault['cause']}" if s.fault else "")
+            + f", log {self.logs / (self._name(s) + '.log')}"
+            for s in down
+        )
+
     def watch_serving(self) -> None:
         """Record `lost` when nothing can serve: after `no_engine_timeout`, or at once when nothing can come back."""
         if self.lost is not None:
@@ -233,13 +265,7 @@ class EngineSupervisor:
         )
         if not hopeless and now - self._down_since < self.no_engine_timeout:
             return
-        down = [s for s in self.slots if s.state != OK] + ([self.router] if router_down else [])
-        what = "; ".join(
-            f"{self._name(s)} ({s.url}) {s.state}"
-            + (f" after {s.fault['cause']}" if s.fault else "")
-            + f", log {self.logs / (self._name(s) + '.log')}"
-            for s in down
-        )
+        what = self._down_report([s for s in self.slots if s.state != OK] + ([self.router] if router_down else []))
         why = "none of them can come back" if hopeless else f"for {self.no_engine_timeout:g}s"
         self.lost = EnginesLost(
             f"no engine could serve ({why}; cluster.no_engine_timeout_s={self.no_engine_timeout:g}): {what}"
@@ -295,7 +321,10 @@ class EngineSupervisor:
         except httpx.HTTPError as e:  # refused or reset: often a process in the middle of dying
             exited = not await self._alive(s)
             return exited, "the process exited" if exited else f"/health failed: {type(e).__name__}: {e}"
-        return False, None if r.status_code == 200 else f"/health returned {r.status_code}"
+        # The router's /health is 503 while no engine is healthy: it answered, so it is serving (restarting
+        # it would not bring an engine back; the engines' own replacement does).
+        answering = (200, 503) if s is self.router else (200,)
+        return False, None if r.status_code in answering else f"/health returned {r.status_code}"
 
     async def _alive(self, s: EngineSlot) -> bool:
         try:
@@ -396,7 +425,7 @@ class EngineSupervisor:
                 raise self.lost
             if all(s.state == FAILED for s in self.slots):
                 raise EnginesLost(
-                    "weight sync: no engine is left (every restart failed); see RUN_DIR/logs/engine-*.log"
+                    f"weight sync: no engine is left (every restart failed): {self._down_report(self.slots)}"
                 )
             await asyncio.sleep(0.1)
 

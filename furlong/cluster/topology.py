@@ -22,13 +22,14 @@ from typing import TYPE_CHECKING, Any
 
 import ray
 
+from furlong.cluster import nodes
 from furlong.cluster.launchers import check_backend, colocated_engine_kwargs, engine_command, router_command
 from furlong.cluster.trainer_group import TrainerGroup
 from furlong.core.net import free_port
 from furlong.core.processes import REAPER_MARK, reaper_mark, start_reaper
 
 if TYPE_CHECKING:
-    from furlong.config.schema import AlgoConfig, ClusterConfig, EngineConfig, RouterConfig, TrainConfig
+    from furlong.config.schema import AlgoConfig, ClusterConfig, EngineConfig, RouterConfig, TrainConfig, WeightsConfig
 
 
 def threads_per_process(cluster: ClusterConfig, world_size: int, num_engines: int, mode: str) -> int:
@@ -91,6 +92,9 @@ class Topology:
     router: Any = None
     router_url: str = ""
     placement: Any = None
+    transport: str | None = None  # the weight transport the run uses (nodes.weight_transport); None: weights.transport
+    weight_opts: dict[str, Any] = field(default_factory=dict)  # sender options the placement implies
+    multi_node: bool = False
 
     @classmethod
     def start(
@@ -103,20 +107,28 @@ class Topology:
         run_dir: Path,
         admin_token: str,
         threads: int,
+        weights: WeightsConfig | None = None,
     ) -> Topology:
+        """`weights`: where the run's transport is checked against the placement (None: not checked)."""
         top = cls(Path(run_dir), admin_token)
         try:
-            top._launch(cluster, engine, router, trainer, threads)
+            top._launch(cluster, engine, router, trainer, threads, weights)
         except BaseException:
             top.shutdown()  # a half-started topology must not keep its actors and bundles (shared Ray, auto-restart)
             raise
         return top
 
     def _launch(
-        self, cluster: ClusterConfig, engine: EngineConfig, router: RouterConfig, trainer: TrainerSpec, threads: int
+        self,
+        cluster: ClusterConfig,
+        engine: EngineConfig,
+        router: RouterConfig,
+        trainer: TrainerSpec,
+        threads: int,
+        weights: WeightsConfig | None,
     ) -> None:
         from ray.util.placement_group import placement_group
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
         from furlong.cluster.actors import ProcessActor, TrainerActor
 
@@ -128,9 +140,22 @@ class Topology:
         gpu = 1 if (cluster.num_gpus or 0) > 0 else 0
         n_bundles = bundles_needed(cluster, ws, ne)
         init_ray(cluster, n_bundles)  # no-op when the driver already started Ray in its main thread
-        bundle = {"CPU": 1, **({"GPU": gpu} if gpu else {})}
-        self.placement = placement_group([dict(bundle) for _ in range(n_bundles)], strategy="PACK")
+        self.multi_node = multi = nodes.is_multi_node(cluster)
+        nodes.require_token(self.admin_token, multi)
+        if weights is not None:
+            self.transport = nodes.weight_transport(weights, multi, len(nodes.alive_nodes()))
+        nodes.check_resources(cluster)
+        wanted = nodes.bundles(cluster, ws, 0 if cluster.colocate else ne, gpu)
+        self.placement = placement_group(wanted, strategy="PACK")
         ray.get(self.placement.ready(), timeout=120)
+        placed = nodes.bundle_nodes(self.placement)
+        if multi and self.transport == "broadcast":  # engines dial rank 0's rendezvous from their own nodes
+            self.weight_opts["master_address"] = placed[0][1]
+        if (self.transport or (weights.transport if weights else None)) == "broadcast":
+            gpus = gpu > 0 or any(n.get("Resources", {}).get("GPU", 0) for n in nodes.alive_nodes())
+            self.weight_opts["backend"] = nodes.broadcast_backend(trainer.train.backend, engine.device, gpus)
+        if engine.backend == "sglang":  # SGLang's request shapes (weight_version as a string)
+            self.weight_opts["engine_api"] = "sglang"
 
         def at(i: int, **kw: Any) -> dict[str, Any]:
             where = PlacementGroupSchedulingStrategy(self.placement, placement_group_bundle_index=i)
@@ -140,7 +165,7 @@ class Topology:
         self.trainers = TrainerGroup(
             [
                 TrainerActor.options(**at(r, num_cpus=1, num_gpus=gpu)).remote(
-                    r, ws, master_port, threads, trainer.seed
+                    r, ws, master_port, threads, trainer.seed, placed[0][1] if multi else "127.0.0.1"
                 )
                 for r in range(ws)
             ]
@@ -150,26 +175,43 @@ class Topology:
         )
         logs = self.run_dir / "logs"
         if cluster.colocate:
+            bind, url_host = nodes.bind_host(engine.host, placed[0][1], multi)  # across nodes: rank 0's node address
             start = self.trainers.actors[0].start_colocated_engine.remote(
-                trainer.model_dir, colocated, self.admin_token, 0
+                trainer.model_dir, colocated, self.admin_token, 0, bind
             )
-            self.engine_urls = [ray.get(start)]
+            url = ray.get(start)  # a wildcard bind names the node's address instead
+            self.engine_urls = [url if url_host == bind else f"http://{url_host}:{url.rsplit(':', 1)[1]}"]
         else:
             for i in range(ne):
                 port = engine.port_base + i if engine.port_base else free_port()
+                bind, url_host = nodes.bind_host(engine.host, placed[ws + i][1], multi)
                 argv = engine_command(
-                    engine, model_dir=trainer.model_dir, port=port, admin_token=self.admin_token, threads=threads
+                    engine,
+                    model_dir=trainer.model_dir,
+                    port=port,
+                    admin_token=self.admin_token,
+                    threads=threads,
+                    host=bind,
                 )
                 actor = ProcessActor.options(**at(ws + i, num_cpus=1, num_gpus=gpu)).remote(
-                    f"engine-{i}", argv, port, str(logs / f"engine-{i}.log"), threads
+                    f"engine-{i}", argv, port, str(logs / f"engine-{i}.log"), threads, url_host
                 )
                 self.engines.append(actor)
             self.engine_urls = ray.get([a.start.remote() for a in self.engines])
         self.trainers.wait_built(built)
         port = router.port or free_port()
-        argv = router_command(router, engine_urls=self.engine_urls, port=port, admin_token=self.admin_token)
-        self.router = ProcessActor.options(num_cpus=0).remote("router", argv, port, str(logs / "router.log"), 1)
+        here = ray.get_runtime_context().get_node_id()  # the router serves the driver: it runs on the driver's node
+        bind, url_host = nodes.bind_host(router.host, ray.util.get_node_ip_address(), multi)
+        argv = router_command(router, engine_urls=self.engine_urls, port=port, admin_token=self.admin_token, host=bind)
+        self.router = ProcessActor.options(
+            num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=True)
+        ).remote("router", argv, port, str(logs / "router.log"), 1, url_host)
         self.router_url = ray.get(self.router.start.remote())
+        roles = [f"trainer-{r}" for r in range(ws)] + [f"engine-{i}" for i in range(len(self.engines))]
+        urls = [""] * ws + self.engine_urls
+        placement = {role: {"node_id": nid, "node_ip": ip, "url": u} for role, (nid, ip), u in zip(roles, placed, urls)}
+        placement["router"] = {"node_id": here, "node_ip": ray.util.get_node_ip_address(), "url": self.router_url}
+        nodes.write_placement(self.run_dir, placement, multi=multi, transport=self.transport)
 
     def shutdown(self) -> None:
         for handle in [self.router, *self.engines]:

@@ -70,6 +70,14 @@ class TrainerGroup:
         """Optimiser steps on one rollout batch: {"metrics": [per optimiser step], "span": (t0, t1), provenance}."""
         return await self._await("train_rollout", lambda a: a.train_rollout.remote(samples))
 
+    async def spans(self, since: list[int]) -> list[dict[str, Any]]:
+        """Every rank's timeline spans after its cursor (`TrainerActor.spans`), in rank order."""
+        refs = [a.spans.remote(c) for a, c in zip(self.actors, since)]
+        try:
+            return list(await asyncio.gather(*refs))
+        except ray.exceptions.RayActorError as e:
+            raise trainer_died("spans", e) from e
+
     async def sft_step(self, samples: list[Any]) -> dict[str, float]:
         return await self._await("sft_step", lambda a: a.sft_step.remote(samples))
 

@@ -96,7 +96,7 @@ NOT_BUILT: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
     ("engine.quantization", lambda v: v != "none", "quantised rollout weights (FP8/MXFP8/NVFP4)"),
     ("rollout.routing_replay", bool, "replaying MoE routing in the trainer (engines already record it)"),
     ("rollout.rollout_fn", lambda v: v is not None, "replacing the whole rollout step"),
-    ("algo.teacher_path", lambda v: v is not None, "distillation from a teacher model"),
+    ("rollout.eval_mode", lambda v: v == "dedicated", "eval on its own engines, synced at each eval step"),
 )
 
 
@@ -145,6 +145,8 @@ def resolve(cfg: ConfigView) -> list[Problem]:
         data.task = None
     if data.eval_path is None and not _set(cfg, "data", "eval_task"):
         data.eval_task = data.task
+    if cfg.engine.backend == "sglang" and not _set(cfg, "weights", "transport"):
+        cfg.weights.transport = "broadcast"  # SGLang's own sync path (the default shm is furlong's engine only)
     return _resolve_defaults_from(cfg) + _resolve_batch(cfg)
 
 
@@ -217,7 +219,9 @@ Bad = Callable[[tuple[str, ...], str], None]  # records one problem: (fields, me
 def check(cfg: ConfigView) -> list[Problem]:
     """Every cross-field contradiction of a resolved config, all at once, in a stable order."""
     out: list[Problem] = []
-    for part in (_check_rollout, _check_algo, _check_train, _check_not_built, _check_hardware, _check_data):
+    parts = (_check_rollout, _check_algo, _check_train, _check_not_built, _check_hardware, _check_data, _check_sglang)
+    parts += (_check_mixed_precision,)
+    for part in parts:
         part(cfg, lambda fields, msg: out.append((fields, msg)))
     return out
 
@@ -342,12 +346,55 @@ def _check_not_built(cfg: ConfigView, bad: Bad) -> None:
     for field, used, what in NOT_BUILT:
         if used(_value(cfg, field)):
             bad((field,), f"{field}: {what} is not built yet; remove the setting (see docs/features.yaml for status)")
-    if cfg.algo.name == "distill":  # the loss exists (train/losses/distill.py); its teacher log-probs do not
+    if cfg.algo.name == "distill" and cfg.algo.teacher_path is None:
         bad(
             ("algo.name", "algo.teacher_path"),
-            "algo.name=distill: on-policy distillation is not built yet: nothing scores samples with a teacher "
-            "(algo.teacher_path), so the run would stop at its first step; use another algo.name "
-            "(see docs/features.yaml for status)",
+            "algo.name=distill scores every sample with a teacher: set algo.teacher_path to its local HF model dir",
+        )
+    if cfg.algo.teacher_path is not None and cfg.algo.name != "distill":
+        bad(
+            ("algo.teacher_path", "algo.name"),
+            f"algo.teacher_path is read only by algo.name=distill (got {cfg.algo.name}); remove it or set algo.name",
+        )
+    if cfg.algo.name == "distill" and cfg.rollout.temperature != 1.0:
+        bad(
+            ("algo.name", "rollout.temperature"),
+            "algo.name=distill: the teacher scores at temperature 1, so the student must sample at "
+            f"rollout.temperature=1 (got {cfg.rollout.temperature}) for the two log-probs to compare",
+        )
+
+
+# What SGLang's HTTP API has no endpoint for: furlong's shared-memory handle body (shm, delta) and its per-shard
+# p2p protocol; weights.verify reads every tensor's CRC32 from /get_weights_checksum, which SGLang does not serve.
+SGLANG_TRANSPORTS = ("broadcast", "disk")
+
+
+def _check_sglang(cfg: ConfigView, bad: Bad) -> None:
+    """Settings `engine.backend=sglang` cannot honour, each refused naming the fields."""
+    if cfg.engine.backend != "sglang":
+        return
+    if cfg.weights.transport not in SGLANG_TRANSPORTS:
+        bad(
+            ("engine.backend", "weights.transport"),
+            f"engine.backend=sglang: weights.transport={cfg.weights.transport} needs an endpoint only the built-in "
+            f"engine has; use weights.transport={' or '.join(SGLANG_TRANSPORTS)} "
+            "(SGLang's update_weights_from_distributed / update_weights_from_disk)",
+        )
+    if cfg.weights.verify:
+        bad(
+            ("engine.backend", "weights.verify"),
+            "engine.backend=sglang: weights.verify=true compares every engine tensor's CRC32 "
+            "(/get_weights_checksum), which SGLang does not serve; set weights.verify=false",
+        )
+
+
+def _check_mixed_precision(cfg: ConfigView, bad: Bad) -> None:
+    """FSDP2's mixed-precision policy exists only where FSDP2 shards (world_size > 1)."""
+    if cfg.train.mixed_precision != "none" and cfg.train.world_size == 1:
+        bad(
+            ("train.mixed_precision", "train.world_size"),
+            f"train.mixed_precision={cfg.train.mixed_precision} is FSDP2's policy, applied when train.world_size > 1 "
+            "(world_size=1 trains a plain module); set train.world_size >= 2, or train.dtype=bfloat16 for bf16 weights",
         )
 
 
@@ -359,8 +406,20 @@ def _check_hardware(cfg: ConfigView, bad: Bad) -> None:
         gpu_users.append(("train.backend", "train.backend=nccl"))
         if cfg.weights.transport == "broadcast":
             gpu_users.append(("weights.transport", "weights.transport=broadcast over it"))
-    if eng.backend == "sglang":
+    if cfg.weights.transport == "cuda_ipc":
+        gpu_users.append(("weights.transport", "weights.transport=cuda_ipc"))
+        if cfg.cluster.colocate:
+            bad(
+                ("weights.transport", "cluster.colocate"),
+                "weights.transport=cuda_ipc opens the trainer's GPU memory from another process; with "
+                "cluster.colocate the engine is in the trainer's own process (CUDA cannot open its own IPC handle)",
+            )
+    if eng.backend == "sglang" and eng.device != "cpu":  # SGLang's CPU backend (--device cpu) needs no GPU
         gpu_users.append(("engine.backend", "engine.backend=sglang"))
+    if (
+        eng.device.startswith("cuda") and cfg.cluster.address is None
+    ):  # a cluster's nodes may have GPUs the driver lacks
+        gpu_users.append(("engine.device", f"engine.device={eng.device}"))
     if cfg.cluster.address is None and (cfg.cluster.num_gpus or 0) > 0:
         gpu_users.append(("cluster.num_gpus", f"cluster.num_gpus={cfg.cluster.num_gpus} on a local Ray"))
     if gpu_users and not cuda_available():
@@ -405,7 +464,6 @@ def _check_data(cfg: ConfigView, bad: Bad) -> None:
         )
     for field, value, kind in (
         ("model.path", cfg.model.path, "dir"),
-        ("algo.teacher_path", algo.teacher_path, "dir"),
         ("data.path", data.path, "any"),
         ("data.eval_path", data.eval_path, "any"),
     ):

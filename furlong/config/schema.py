@@ -35,7 +35,7 @@ RouterPolicy = Literal["least_inflight", "round_robin", "session_affinity"]
 LossReducer = Literal["token_mean", "sample_mean", "constant"]
 CorrectionName = Literal["none", "tis", "mis", "icepop", "opsm"]
 CorrectionLevel = Literal["token", "sequence", "geometric"]
-Transport = Literal["shm", "broadcast", "p2p", "disk", "delta"]
+Transport = Literal["shm", "broadcast", "p2p", "disk", "delta", "cuda_ipc"]
 
 
 class ConfigError(Exception):
@@ -120,7 +120,9 @@ class RolloutConfig(Section):
     over_sampling: float = Field(1.0, ge=1.0)  # prompts asked for = ceil(rollout_batch_size * this)
     max_staleness: int = Field(0, ge=0)  # versions; default 0 for sync, 1 for overlap/async
     stale_policy: Literal["drop", "retry"] = "retry"  # a group older than max_staleness
-    max_buffer_groups: int | None = Field(None, ge=1)  # async back-pressure bound; None -> 2 batches
+    max_buffer_groups: int | None = Field(
+        None, ge=1
+    )  # async back-pressure bound; None -> max(1, max_staleness) batches
     partial_rollout: bool = False  # abort at a weight sync and resume from the tokens so far
     temperature: float = Field(1.0, ge=0.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)  # nucleus sampling; 1 = off
@@ -143,6 +145,9 @@ class RolloutConfig(Section):
     data_source: PluginPath = None  # plug point: the prompt source factory
     buffer: PluginPath = None  # plug point: the group buffer factory
     eval_fn: PluginPath = None  # plug point: evaluation
+    eval_mode: Literal["blocking", "async", "dedicated"] = (
+        "blocking"  # eval stops training, runs beside it, or own engine
+    )
 
 
 class EngineConfig(Section):
@@ -159,6 +164,7 @@ class EngineConfig(Section):
     pause_mode: PauseMode = "retract"  # at a weight sync: requeue, freeze or abort
     host: str = "127.0.0.1"  # engines bind here
     port_base: int = Field(0, ge=0, le=65535)  # engine i listens on port_base + i; 0 = free ports
+    device: str = Field("auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$")  # auto: cuda:0 when visible, else cpu
 
 
 class RouterConfig(Section):
@@ -218,6 +224,8 @@ class TrainConfig(Section):
     convert_fn: PluginPath = None  # plug point: samples to train batch
     before_train_step: PluginPath = None  # plug point: hook before each optimiser step
     after_save: PluginPath = None  # plug point: hook after each checkpoint
+    # FSDP2 mixed precision (world_size > 1): bf16 compute and all-gathers, fp32 master weights and reduce-scatter
+    mixed_precision: Literal["none", "bf16"] = "none"
 
 
 AlgoName = Literal[
@@ -275,6 +283,10 @@ class ClusterConfig(Section):
     auto_restart: bool = False  # restart a dead trainer from its last checkpoint
     threads_per_process: int | None = Field(None, ge=1)  # None = cores / processes
     no_engine_timeout_s: float = Field(300.0, gt=0)  # no engine (or router) serving this long: the run stops
+    # Ray resources a trainer rank / engine must be placed on (a node's custom resource or `node:<ip>`); rank or
+    # engine i takes the i-th name, cycling; empty = wherever Ray puts it. See docs/cluster.md.
+    trainer_nodes: list[str] = Field(default_factory=list)
+    engine_nodes: list[str] = Field(default_factory=list)
 
 
 class ObserveConfig(Section):

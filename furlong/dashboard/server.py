@@ -24,9 +24,9 @@ from fastapi.responses import FileResponse, JSONResponse
 from fastapi.staticfiles import StaticFiles
 
 from furlong.core.app_thread import AppThread
+from furlong.core.spans import PHASES
 from furlong.observe.advisories import advise
 from furlong.observe.reader import RunError, RunReader
-from furlong.observe.store import PHASES
 
 I64 = 2**63 - 1  # SQLite integers: a bigger query parameter is a 422, not an overflow
 

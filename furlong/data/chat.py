@@ -8,8 +8,9 @@ tokenised the same way the chat template would render it in the whole conversati
 `suffix_ids` does that in three steps:
 
 1. *closing*: what the template writes after an assistant message's content
-   (`<|im_end|>\\n` in ChatML). The model usually produced part of it already (its
-   stop token `<|im_end|>`); only the rest (`\\n`) is added.
+   (end of turn and a newline in ChatML, `<|eot_id|>` in Llama 3, `</s>` in Mistral).
+   The model usually produced part of it already (its stop token, `end_of_turn`);
+   only the rest (the newline) is added.
 2. *delta*: the rendering of the new messages plus the generation prompt, found as
    `render(dummy + new) - render(dummy)` with a fixed dummy conversation that ends
    with an assistant turn. It never depends on earlier model output, so a template
@@ -61,6 +62,39 @@ def closing(tokenizer: Any) -> str:
     sentinel = "\u2063furlong\u2063"
     text = render(tokenizer, [DUMMY[0], {"role": "assistant", "content": sentinel}], None, False)
     return text[text.index(sentinel) + len(sentinel) :]
+
+
+def end_of_turn(tokenizer: Any) -> str:
+    """The token an assistant turn ends with, read from the template: the first token of its closing.
+
+    That is the template's own end-of-turn marker when the closing starts with a special or
+    added token (ChatML, Llama 3, Gemma, Phi-3, Mistral, Tulu's EOS); a template whose closing
+    is plain text ends turns with the tokenizer's EOS token.
+    """
+    close = closing(tokenizer)
+    ids = tokenizer.encode(close, add_special_tokens=False) if close else []
+    if ids:
+        first = tokenizer.convert_ids_to_tokens(ids[0])
+        if first in tokenizer.all_special_tokens or first in tokenizer.get_added_vocab():
+            return first
+    if tokenizer.eos_token is None:
+        raise TemplateError("the chat template's closing starts with no special token and the tokenizer has no EOS")
+    return tokenizer.eos_token
+
+
+def stop_token_ids(tokenizer: Any, generation_eos: int | list[int] | None = None) -> list[int]:
+    """The ids that end a turn: the generation config's EOS ids plus the template's end of turn (if it has one)."""
+    ids = [generation_eos] if isinstance(generation_eos, int) else list(generation_eos or [])
+    end = None
+    if getattr(tokenizer, "chat_template", None):
+        try:
+            end = end_of_turn(tokenizer)
+        except Exception:  # noqa: BLE001 - a template that cannot render a bare turn still serves raw prompts
+            end = None
+    end_id = tokenizer.convert_tokens_to_ids(end) if end is not None else tokenizer.eos_token_id
+    if end_id is not None:
+        ids.append(int(end_id))
+    return list(dict.fromkeys(ids))
 
 
 def missing_closing(tokenizer: Any, output_text: str) -> str:
@@ -172,19 +206,20 @@ def conversation_sample(
     messages: list[dict[str, Any]],
     tools: list[dict[str, Any]] | None = None,
     *,
-    end_token: str = "<|im_end|>",
+    end_token: str | None = None,
 ) -> Sample:
     """A whole demonstrated conversation as one Sample whose token ids match what a multi-turn rollout produces.
 
     The prompt is everything before the first assistant turn (chat template with a
     generation prompt); each assistant turn is its template text plus `end_token`
-    (what the model stops with), trained (loss mask 1); the messages between turns are
+    (what the model stops with; default: the template's `end_of_turn`), trained (loss mask 1); the messages between turns are
     added with `suffix_ids`, exactly as `multiturn.generate` and the session server
     add them, with loss mask 0. Messages after the last assistant turn are not used.
     """
     first = next((i for i, m in enumerate(messages) if m.get("role") == "assistant"), None)
     if first is None or first == 0:
         raise ValueError("conversation_sample: needs prompt messages followed by at least one assistant turn")
+    end_token = end_of_turn(tokenizer) if end_token is None else end_token
     sample = Sample(prompt=list(messages[:first]), tokens=encode_prompt(tokenizer, messages[:first], tools))
     i = first
     while i < len(messages):

@@ -14,7 +14,7 @@ import os
 from typing import TYPE_CHECKING, Any
 
 from furlong.core.sample import Sample
-from furlong.data.chat import conversation_sample, encode_prompt
+from furlong.data.chat import conversation_sample, encode_prompt, end_of_turn
 from furlong.data.datasets import Prompt, load_dataset
 from furlong.data.source import DataSource
 from furlong.data.tasks import get_task
@@ -31,7 +31,8 @@ def sft_samples(prompts: list[Any], tokenizer: Any, chat: bool) -> list[Sample]:
     (`metadata["conversation"]`: tool calls, tool results, several assistant turns) becomes
     the token ids a multi-turn rollout produces, with only the assistant turns trained.
     """
-    end = tokenizer.convert_tokens_to_ids("<|im_end|>" if chat else "<|endoftext|>")
+    # The end of turn the template writes after an assistant message (chat), or the EOS token (plain text).
+    end = tokenizer.convert_tokens_to_ids(end_of_turn(tokenizer)) if chat else tokenizer.eos_token_id
     out = []
     for i, p in enumerate(prompts):
         if p.metadata.get("conversation"):

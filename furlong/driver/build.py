@@ -75,10 +75,15 @@ def plugins(cfg: Config) -> dict[str, Any]:
 
 
 def model_dir(model: ModelConfig) -> str:
-    """The policy's HF directory: `model.path`, or a tiny model built locally (cached) from arch + size."""
-    from furlong.models import create_model
+    """The policy's HF directory: `model.path`, or a tiny model built locally (cached) from arch + size.
 
-    return model.path or str(create_model(model.arch, model.size, seed=model.seed, max_positions=model.max_positions))
+    A `model.path` is checked here, before any process starts: a missing config, shard or tokenizer
+    file fails the run at once with its path (`models.check_model_dir`)."""
+    from furlong.models import check_model_dir, create_model
+
+    if model.path:
+        return str(check_model_dir(model.path))
+    return str(create_model(model.arch, model.size, seed=model.seed, max_positions=model.max_positions))
 
 
 def metric_log(cfg: Config, run_dir: Path, tokenizer: Any, plugs: dict[str, Any]) -> MetricLog:
@@ -123,6 +128,7 @@ def topology(cfg: Config, run_dir: Path, model: str, admin_token: str, plugs: di
         run_dir=run_dir,
         admin_token=admin_token,
         threads=threads,
+        weights=cfg.weights,
     )
 
 
@@ -134,11 +140,13 @@ def rollout_manager(
     tokenizer: Any,
     version: WeightVersion,
     plugs: dict[str, Any],
+    serving: Any = None,
 ) -> RolloutManager:
     """The manager with every rollout plug point as a function; unset ones None (the manager's built-ins).
 
     `rollout.agent_fn` (without `rollout.generate_fn`) is run by `furlong.envs.agent.generate`, so the
     manager, a floor below envs, never imports it; `rollout.buffer` gets its offered `config` bound here.
+    `serving` is the supervisor's `wait_serving` (an outage delays prompts rather than dropping them).
     """
     from furlong.rollout.manager import RolloutManager
 
@@ -151,7 +159,16 @@ def rollout_manager(
     if buffer is not None:
         fns["buffer_factory"] = functools.partial(buffer, config=cfg)
     return RolloutManager(
-        cfg.rollout, source, client, tokenizer, seed=cfg.seed, eval_prompts=evals, envs=cfg.envs, weights=version, **fns
+        cfg.rollout,
+        source,
+        client,
+        tokenizer,
+        seed=cfg.seed,
+        eval_prompts=evals,
+        envs=cfg.envs,
+        weights=version,
+        serving=serving,
+        **fns,
     )
 
 
@@ -171,3 +188,136 @@ def supervisor(
         version=version,
         note=note,
     )
+
+
+def timeline(cfg: Config, store: Any, top: Topology, model: str) -> Any:
+    """The span puller: every engine, the router and every rank into the driver's event store.
+
+    A colocated engine lives in trainer rank 0's process: its spans come with the rank's, not over HTTP."""
+    from furlong.observe.timeline import SpanPuller
+
+    engines = (lambda: []) if cfg.cluster.colocate else (lambda: list(top.engine_urls))
+    return SpanPuller(store, engine_urls=engines, router_url=top.router_url, trainers=top.trainers, model_dir=model)
+
+
+class TrainersOnly:
+    """Trainer ranks without engines or a router: what an engine-free SFT run starts."""
+
+    def __init__(self, trainers: Any, placement: Any) -> None:
+        self.trainers, self.placement = trainers, placement
+        self.engines: list[Any] = []
+        self.engine_urls: list[str] = []
+        self.router_url = ""
+
+    def shutdown(self) -> None:
+        from ray.util.placement_group import remove_placement_group
+
+        self.trainers.shutdown(timeout_s=20)
+        if self.placement is not None:
+            remove_placement_group(self.placement)
+            self.placement = None
+
+
+def trainer_spec(cfg: Config, model: str, plugs: dict[str, Any]) -> Any:
+    from furlong.cluster.topology import TrainerSpec
+
+    return TrainerSpec(
+        model_dir=model,
+        train=cfg.train,
+        algo=cfg.algo,
+        temperature=cfg.rollout.temperature,
+        seed=cfg.seed,
+        hooks=trainer_hooks(plugs),
+    )
+
+
+def trainers_only(cfg: Config, model: str, plugs: dict[str, Any]) -> TrainersOnly:
+    """`train.world_size` trainer ranks on their own placement group, built and ready (blocking)."""
+    import ray
+    from ray.util.placement_group import placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    from furlong.cluster.actors import TrainerActor
+    from furlong.cluster.topology import threads_per_process
+    from furlong.cluster.trainer_group import TrainerGroup
+    from furlong.core.net import free_port
+
+    spec, ws = trainer_spec(cfg, model, plugs), cfg.train.world_size
+    threads = threads_per_process(cfg.cluster, ws, 0, "sync")
+    gpu = 1 if (cfg.cluster.num_gpus or 0) > 0 else 0
+    pg = placement_group([{"CPU": 1, **({"GPU": gpu} if gpu else {})} for _ in range(ws)], strategy="PACK")
+    ray.get(pg.ready(), timeout=120)
+    port = free_port()
+    group = TrainerGroup(
+        [
+            TrainerActor.options(
+                scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=r),
+                num_cpus=1,
+                num_gpus=gpu,
+            ).remote(r, ws, port, threads, spec.seed)
+            for r in range(ws)
+        ]
+    )
+    out = TrainersOnly(group, pg)
+    try:
+        group.wait_built(group.build_refs(spec.model_dir, spec.train, spec.algo, spec.temperature, spec.hooks))
+    except BaseException:
+        out.shutdown()
+        raise
+    return out
+
+
+def rebuild_trainers(cfg: Config, top: Any, model: str, plugs: dict[str, Any]) -> None:
+    """Build this run's trainer (its own train and algo sections) on the ranks of an already started topology.
+
+    A warm topology serves several short runs in a row (recipe tests, sweeps): each gets fresh trainer
+    state on the same actors, and its weights are pushed to the engines before its first rollout."""
+    spec = trainer_spec(cfg, model, plugs)
+    top.trainers.wait_built(
+        top.trainers.build_refs(spec.model_dir, spec.train, spec.algo, spec.temperature, spec.hooks)
+    )
+
+
+def teacher_engine(cfg: Config, run_dir: Path, admin_token: str) -> tuple[Any, str]:
+    """On-policy distillation's teacher: one engine serving `algo.teacher_path`, no router; (actor, url).
+
+    It only scores (prompt log-probs over the student's tokens), so it takes no weight syncs."""
+    import ray
+
+    from furlong.cluster.actors import ProcessActor
+    from furlong.cluster.launchers import engine_command
+    from furlong.cluster.topology import threads_per_process
+    from furlong.core.net import free_port
+
+    teacher = Path(str(cfg.algo.teacher_path)).expanduser()
+    if not (teacher / "config.json").is_file():  # checked at start: a recipe names the teacher a run trains first
+        raise ValueError(
+            f"algo.teacher_path: {str(teacher)!r} is not a HF model directory (no config.json); "
+            "train a teacher and export it (see recipes/opd_reverse.yaml)"
+        )
+    _same_vocab(str(teacher), model_dir(cfg.model))
+    threads = threads_per_process(cfg.cluster, cfg.train.world_size, cfg.engine.num_engines + 1, cfg.rollout.mode)
+    port = free_port()
+    argv = engine_command(
+        cfg.engine, model_dir=str(cfg.algo.teacher_path), port=port, admin_token=admin_token, threads=threads
+    )
+    actor = ProcessActor.options(num_cpus=0).remote(
+        "teacher-0", argv, port, str(Path(run_dir) / "logs" / "teacher-0.log"), threads
+    )
+    try:
+        return actor, ray.get(actor.start.remote())
+    except BaseException:
+        ray.kill(actor)
+        raise
+
+
+def _same_vocab(teacher: str, student: str) -> None:
+    """The teacher reads the student's token ids: both must tokenise alike, or every score is of other text."""
+    from transformers import AutoTokenizer
+
+    if AutoTokenizer.from_pretrained(teacher).get_vocab() != AutoTokenizer.from_pretrained(student).get_vocab():
+        raise ValueError(
+            f"algo.teacher_path: the teacher's tokenizer ({teacher}) differs from the student's ({student}); "
+            "distillation scores the student's token ids, so both need one vocabulary (a locally built model's "
+            "tokenizer depends on model.seed: give the student the teacher's)"
+        )

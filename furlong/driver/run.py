@@ -58,8 +58,13 @@ if TYPE_CHECKING:
 class Run:
     """One training run: owns the topology, the rollout manager, the weight version and the logs."""
 
-    def __init__(self, cfg: Config, resume: bool = False, progress: bool = True):
+    def __init__(self, cfg: Config, resume: bool = False, progress: bool = True, topology: Any = None):
+        """`topology`: an already started one to run on (its trainer is rebuilt for this run, and it is left
+        running at the end), so several short runs share one start-up; None: start and stop our own."""
         self.cfg, self.resume, self.progress = cfg, resume, progress
+        self.given_top = topology
+        self.teacher = self.teacher_actor = None  # on-policy distillation's teacher engine (algo.teacher_path)
+        self.background = None  # rollout.eval_mode=async: the eval running beside training
         self.run_dir = Path(cfg.run_dir)
         self.version = WeightVersion(0)
         self.step = 0
@@ -69,6 +74,10 @@ class Run:
     async def run(self) -> dict[str, Any]:
         t0 = time.perf_counter()
         self._prepare()
+        if self.cfg.algo.name == "sft":  # engine-free: trainer ranks only, on the dataset's references
+            from furlong.driver.sft_run import run_sft
+
+            return await run_sft(self, t0)
         try:
             await self._start()
             # The supervisor ends the phases with EnginesLost once no engine (or no router) can serve.
@@ -89,9 +98,17 @@ class Run:
             await self._restore()
         await self.sft_warmup()
         before = await self.evaluate("before RL") if self.step == 0 else {}
+        teacher = {}
+        if self.teacher is not None and self.evals:  # the mark distillation climbs toward, on the same prompts
+            teacher = await self.manager.evaluate(self.step, client=self.teacher)
+            self.log.note("eval (teacher): " + " ".join(f"{k}={v:.3f}" for k, v in sorted(teacher.items())))
         result = await self.train()
+        if self.background is not None:  # the last background eval, before the final one
+            late = await self.background.drain()
+            if late:
+                self.log.write(self.step, late)
         after = await self.evaluate("after RL")
-        return {**result, "before": dict(before), "after": after}
+        return {**result, "before": dict(before), "after": after, **({"teacher": teacher} if teacher else {})}
 
     # ------------------------------------------------------------------ set-up
     def _prepare(self) -> None:
@@ -103,7 +120,7 @@ class Run:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         if not self.resume:
             self.cfg.save(self.run_dir / "config.yaml")
-        self.token = admin_token(self.run_dir)
+        self.token = self.given_top.admin_token if self.given_top is not None else admin_token(self.run_dir)
         self.model_dir = build.model_dir(self.cfg.model)
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
         self.log = build.metric_log(self.cfg, self.run_dir, self.tokenizer, self.plugs)
@@ -126,15 +143,39 @@ class Run:
             f"{cfg.engine.backend} engine(s){' colocated' if cfg.cluster.colocate else ''}, router"
         )
         build.start_ray(cfg)
-        self.top = await asyncio.to_thread(build.topology, cfg, self.run_dir, self.model_dir, self.token, self.plugs)
+        if self.given_top is not None:
+            await asyncio.to_thread(build.rebuild_trainers, cfg, self.given_top, self.model_dir, self.plugs)
+            self.top = self.given_top
+        else:
+            self.top = await asyncio.to_thread(
+                build.topology, cfg, self.run_dir, self.model_dir, self.token, self.plugs
+            )
         self.trainers = self.top.trainers
+        if cfg.algo.teacher_path:
+            self.teacher_actor, url = await asyncio.to_thread(build.teacher_engine, cfg, self.run_dir, self.token)
+            self.teacher = EngineClient(url, admin_token=self.token)
         self.client = EngineClient(self.top.router_url, admin_token=self.token)
-        self.manager = build.rollout_manager(
-            cfg, self.source, self.evals, self.client, self.tokenizer, self.version, self.plugs
-        )
         self.supervisor = build.supervisor(cfg, self.top, self.token, self.run_dir, self.version, self.log.note)
+        self.manager = build.rollout_manager(
+            cfg,
+            self.source,
+            self.evals,
+            self.client,
+            self.tokenizer,
+            self.version,
+            self.plugs,
+            self.supervisor.wait_serving,
+        )
+        if cfg.rollout.eval_mode == "async":
+            from furlong.driver.eval_loop import BackgroundEval
+
+            eval_client = EngineClient(self.top.router_url, admin_token=self.token)
+            self.background = BackgroundEval(self.manager, eval_client, self.version)
         self.supervisor.start()  # engine health, replacement, tolerant syncs
         self.engine_stats = EngineStats(self.top.engine_urls)
+        self.timeline = build.timeline(cfg, self.log.store, self.top, self.model_dir)
+        if self.given_top is not None and not self.resume:  # the engines still hold the previous run's weights
+            await self._sync_weights(0)
 
     async def _sync_weights(self, version: int) -> dict[str, float]:
         """Pause the engines, push the trainer's weights as `version` (the owner advances), continue."""
@@ -172,6 +213,7 @@ class Run:
                 metrics = await self.rl_step()
                 advance(self.log.summary(self.step, metrics))
         await self.manager.before_weight_sync()
+        await self.timeline.wait()
         await asyncio.to_thread(self._save, self.step)
         return {"steps": self.step}
 
@@ -183,9 +225,15 @@ class Run:
         t0 = time.perf_counter()
         with span("driver", "generate", n):
             batch = await self.manager.next_batch(step)
+        scored = {}
+        if self.teacher is not None:  # distillation: the teacher's log-prob of every sampled token
+            from furlong.rollout.teacher import score_batch
+
+            with span("driver", "teacher", n):
+                scored = await score_batch(self.teacher, batch)
         t_gen = time.perf_counter()
-        trained = await self.trainers.train_rollout(batch)
-        self.log.store.record_span("trainer/0", "forward-backward", n, *trained["span"], device="cpu:0")
+        with span("driver", "idle", n, waiting="trainers"):  # the ranks' own lanes show what they did
+            trained = await self.trainers.train_rollout(batch)
         per_opt = trained["metrics"]
         check_finite(per_opt, train.max_nonfinite_steps, step, self.log.note)  # stops after N NaN/inf in a row
         t_train = time.perf_counter()
@@ -196,6 +244,7 @@ class Run:
         self.log.samples(step, batch, trained, step)
         metrics = self.log.step_metrics(batch, per_opt, self.manager.stats(), step)
         metrics.update(sync)
+        metrics.update(scored)
         metrics.update(await self.engine_stats.poll())
         metrics.update(
             {
@@ -206,12 +255,27 @@ class Run:
             }
         )
         t_eval = time.time()
-        ev = await self.manager.maybe_evaluate(step)
+        if self.background is not None:  # rollout.eval_mode=async: a finished eval, and maybe start the next
+            ev = self.background.collect()
+            every = self.cfg.rollout.eval_every
+            if self.evals and every and step % every == 0:
+                self.background.start(step)
+        else:
+            ev = await self.manager.maybe_evaluate(step)
         if ev:
             self.log.store.record_span("driver", "eval", n, t_eval, time.time())
             metrics.update(ev)
-        self.log.write(self.step, metrics)  # recorded before the checkpoint marks the step done: exactly once
+        await self.timeline.wait()  # the previous step's pull (one at a time, in step order)
+
+        def write(utilisation: dict[str, float], row: int = self.step) -> None:
+            metrics.update(utilisation)  # MFU and CPU per worker, from the spans just pulled: one row per step
+            self.log.write(row, metrics)
+
+        # This step's spans from every process, in the background; its row is written when they are in,
+        # and always before the checkpoint marks the step done (the waits below): exactly once.
+        self.timeline.start(n, write)
         if self._checkpoint_due():
+            await self.timeline.wait()  # the step's row and spans are in the store before its checkpoint
             await asyncio.to_thread(self._save, self.step)
         await self.manager.on_weights_updated(self.version.current)
         return metrics
@@ -286,6 +350,13 @@ class Run:
         return state
 
     async def close(self) -> None:
+        if getattr(self, "timeline", None) is not None and self.top is not None:
+            try:  # the spans after the last step (final eval, checkpoint) before the processes go
+                await self.timeline.wait()
+                await self.timeline.pull(self.step, final=True)  # spans only: the last step's metrics are written
+                self.timeline = None
+            except Exception:  # noqa: BLE001 - best effort: closing must go on
+                pass
         if self.supervisor is not None:  # first: shutting the engines down is not a fault
             await self.supervisor.stop()
             self.supervisor = None
@@ -294,9 +365,21 @@ class Run:
                 await self.manager.close()
             except Exception:  # noqa: BLE001 - closing must go on to the topology
                 pass
-        if self.top is not None:
+        if self.background is not None:
+            await self.background.close()
+            self.background = None
+        if self.teacher is not None:
+            await self.teacher.aclose()
+            self.teacher = None
+        if self.teacher_actor is not None:
+            import ray
+
+            await asyncio.to_thread(ray.get, self.teacher_actor.stop.remote(), timeout=20)
+            ray.kill(self.teacher_actor)
+            self.teacher_actor = None
+        if self.top is not None and self.top is not self.given_top:  # a given topology outlives the run
             await asyncio.to_thread(self.top.shutdown)
-            self.top = None
+        self.top = None
         if self.dashboard is not None:
             self.dashboard.stop()
         if self.log is not None:

@@ -5,7 +5,8 @@ Every step the scheduler (1) runs queued commands (abort, pause, weight update
 with respect to generation — (2) gives each running sequence a KV slot for its
 next token, preempting the youngest sequences when the pool is full (they go
 back to the queue and are recomputed later), (3) admits waiting requests while
-slots and blocks allow, (4) runs one flat forward over all of them and
+slots and blocks allow — those with the same prompt as one admitted in the same step
+share its prefill (`batching.fork`) — (4) runs one flat forward over all of them and
 (5) samples, stamps each new token with the current weight version and
 finishes sequences on eos / stop / length. Requests join and leave at every step.
 
@@ -27,11 +28,16 @@ from typing import Any
 
 import torch
 
+from furlong.core import profiling, spans
 from furlong.core.api import PAUSE_MODES
+from furlong.data.chat import stop_token_ids
+from furlong.engine.batching import build_batch, can_lead, fork, tail_copies
+from furlong.engine.device import batch_to, resolve_device
 from furlong.engine.kv_cache import BlockPool
-from furlong.engine.model import Batch, Prefill, build_model
+from furlong.engine.model import Batch, build_model
 from furlong.engine.request import Request, result
 from furlong.engine.sampler import sample
+from furlong.models.loading import check_model_dir, load_tokenizer
 
 log = logging.getLogger("furlong.engine")
 
@@ -67,10 +73,12 @@ class Engine:
         max_prefill_tokens: int = 4096,
         max_context: int | None = None,
         prefix_cache: bool = True,
+        device: str = "auto",
     ):
         """`max_context` caps prompt + output tokens per request (None: the model's max positions; it can
-        only shrink the window the model was trained for). `prefix_cache=False` computes every prompt in full."""
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        only shrink the window the model was trained for). `prefix_cache=False` computes every prompt in full.
+        `device`: `engine.device` (auto | cpu | cuda[:N], see `engine.device`); weights and KV pool live there."""
+        from transformers import AutoModelForCausalLM
 
         if dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"--dtype: unknown dtype {dtype!r}; choose float32, bfloat16 or float16")
@@ -78,8 +86,11 @@ class Engine:
             raise ValueError("--max-running: must be >= 1")
         self.model_path = str(model_path)
         self.dtype = dtype
-        self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
+        self.device = resolve_device(device)  # before loading: a missing GPU fails here, naming engine.device
+        # Checked first, so a missing config, shard or tokenizer file is named (not a hub lookup error).
+        self.tokenizer = load_tokenizer(check_model_dir(self.model_path))
         self.hf = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=getattr(torch, dtype)).eval()
+        self.hf.to(self.device)
         self.hf.requires_grad_(False)
         cfg = self.hf.config
         self.vocab_size = cfg.vocab_size
@@ -95,11 +106,13 @@ class Engine:
         )
         num_blocks = int(kv_cache_mb * 2**20 // (bytes_per_token * block_size))
         self.pool = BlockPool(num_blocks, block_size, prefix_cache=prefix_cache)
-        self.model = build_model(self.hf, num_blocks, block_size, backend)
+        with self.device:  # the KV pool is allocated where the weights are
+            self.model = build_model(self.hf, num_blocks, block_size, backend)
         self.backend = type(self.model).__name__
         eos = self.hf.generation_config.eos_token_id if self.hf.generation_config else None
         eos = eos if eos is not None else cfg.eos_token_id
-        self.eos_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+        # The generation config's EOS ids plus the chat template's end of turn (a config may list only EOS).
+        self.eos_ids = set(stop_token_ids(self.tokenizer, eos))
         self.max_running = max_running
         self.max_prefill_tokens = max_prefill_tokens
         self.weight_version = 0
@@ -115,6 +128,8 @@ class Engine:
             "preemptions_total": 0,
             "steps_total": 0,
             "weight_updates_total": 0,
+            "prefills_total": 0,  # prompts computed (a forked sample of one is not)
+            "forked_prefills_total": 0,  # samples that shared another request's prefill
         }
         self._commands: queue.Queue[tuple[Callable[[], Any], Future]] = queue.Queue()
         self._serial = 0  # numbers requests, so the model can tell its decoding set did not change
@@ -127,6 +142,7 @@ class Engine:
         return self.pool.num_blocks * self.pool.block_size
 
     def start(self) -> Engine:
+        profiling.on_sigterm(self.stop)  # under `furlong profile`: the scheduler thread writes its trace first
         self._thread = threading.Thread(target=self._loop, name="furlong-scheduler", daemon=True)
         self._thread.start()
         return self
@@ -147,10 +163,15 @@ class Engine:
         self.call(lambda: self._add(req))
         return req
 
+    def submit_many(self, reqs: list[Request]) -> list[Request]:
+        """Submit in one command: all of `reqs` arrive in the same step, so those with the same prompt share
+        one prefill (`sampling_params.n`, a GRPO group)."""
+        self.call(lambda: [self._add(r) for r in reqs])
+        return reqs
+
     def generate(self, reqs: list[Request], timeout: float | None = None) -> list[Request]:
-        """Blocking helper for in-process use (tests, benchmark)."""
-        for r in reqs:
-            self.submit(r)
+        """Blocking helper for in-process use (tests, benchmark); submitted as one (`submit_many`)."""
+        self.submit_many(reqs)
         for r in reqs:
             if not r.done.wait(timeout):
                 raise TimeoutError(f"request {r.rid} did not finish in {timeout} s")
@@ -165,7 +186,7 @@ class Engine:
         return self.call(lambda: self._pause(mode))
 
     def resume(self) -> Future:
-        return self.call(lambda: setattr(self, "paused", None))
+        return self.call(self._resume)
 
     def flush_cache(self) -> Future:
         return self.call(self.pool.flush)
@@ -182,6 +203,13 @@ class Engine:
     # ------------------------------------------------------------------ scheduler thread
     def _loop(self) -> None:
         torch.set_grad_enabled(False)
+        profiling.start("engine")  # only under `furlong profile` (FURLONG_PROFILE_DIR): this thread's ops
+        try:
+            self._serve()
+        finally:
+            profiling.stop()
+
+    def _serve(self) -> None:
         while not self._stop:
             idle = self.paused is not None or not (self.running or self.waiting)
             try:
@@ -258,6 +286,12 @@ class Engine:
             for r in reversed(list(self.running)):
                 self._retract(r)
         self.paused = mode
+        self._paused_at = time.time()
+
+    def _resume(self) -> None:
+        if self.paused is not None:  # the paused time as one span of this engine's lane
+            spans.record("engine", "paused", getattr(self, "_paused_at", time.time()), time.time(), mode=self.paused)
+        self.paused = None
 
     def _grow(self, req: Request, n_tokens: int) -> bool:
         """Make sure `req` owns blocks for `n_tokens` token slots."""
@@ -280,8 +314,16 @@ class Engine:
             self._retract(victim)
             self.stats["preemptions_total"] += 1
         prefill, budget = [], self.max_prefill_tokens
+        leaders: dict[tuple[int, ...], Request] = {}  # prompt -> the request prefilling it this step
         while self.waiting and len(decode) + len(prefill) < self.max_running:
             r = self.waiting[0]
+            lead = leaders.get(tuple(r.prompt_ids)) if can_lead(r) and not r.blocks else None
+            if lead is not None:  # same prompt as one prefilled this step: share its KV, no prefill of its own
+                if not fork(self.pool, r, lead):
+                    break
+                self.waiting.popleft()
+                prefill.append(r)
+                continue
             toks = r.tokens
             if r.reuse_prefix and not r.blocks:
                 r.blocks, r.hashes = self.pool.match(toks)
@@ -308,78 +350,34 @@ class Engine:
             self.waiting.popleft()
             prefill.append(r)
             budget -= new
+            if can_lead(r):
+                leaders.setdefault(tuple(r.prompt_ids), r)
         return decode, prefill
 
-    def _slots(self, req: Request, start: int, end: int) -> torch.Tensor:
-        pos = torch.arange(start, end)
-        bt = torch.tensor(req.blocks)
-        return bt[pos // self.pool.block_size] * self.pool.block_size + pos % self.pool.block_size
-
-    def _build(self, decode: list[Request], prefill: list[Request]) -> tuple[Batch, list[int], list[tuple[int, int]]]:
-        bs = self.pool.block_size
-        ids, pos, seq_of, seqs = [], [], [], []
-        last_rows: list[int] = []
-        prompt_rows: list[tuple[int, int]] = []  # (first row, n) for prompt log-probs
-        for i, r in enumerate(decode):
-            ids.append(r.output_ids[-1] if r.output_ids else r.prompt_ids[-1])
-            pos.append(r.n_cached)
-            seq_of.append(i)
-            last_rows.append(i)
-        D = len(decode)
-        decode_blocks = lens = None
-        write = []
-        if D:
-            lens = torch.tensor([r.n_cached + 1 for r in decode])
-            L = int(lens.max())
-            nb = -(-L // bs)
-            bt = torch.tensor([(r.blocks + [0] * nb)[:nb] for r in decode])
-            decode_blocks = bt
-            last = lens - 1
-            write.append(bt[torch.arange(D), last // bs] * bs + last % bs)
-        prefills = []
-        rows = list(last_rows)
-        for j, r in enumerate(prefill):
-            toks = r.tokens
-            start, n = len(ids), len(toks) - r.n_cached
-            ids.extend(toks[r.n_cached :])
-            pos.extend(range(r.n_cached, len(toks)))
-            seq_of.extend([D + j] * n)
-            ctx = self._slots(r, 0, len(toks))
-            write.append(ctx[r.n_cached :])
-            prefills.append(Prefill(start, n, r.n_cached, ctx))
-            if r.input_logprobs is None and r.logprob_start_len >= 0:
-                prompt_rows.append((len(rows), n))
-                rows.extend(range(start, start + n))
-            else:
-                prompt_rows.append((-1, n))
-                rows.append(start + n - 1)
-            last_rows.append(len(rows) - 1)
-        if getattr(self.model, "needs_tokens", False):
-            seqs = [r.tokens for r in decode + prefill]
-        batch = Batch(
-            input_ids=torch.tensor(ids),
-            positions=torch.tensor(pos),
-            write_slots=torch.cat(write),
-            n_decode=D,
-            decode_blocks=decode_blocks,
-            decode_lens=lens,
-            prefills=prefills,
-            decode_keys=tuple(r.serial for r in decode),
-            logit_rows=torch.tensor(rows),
-            token_seq=seq_of,
-            seq_tokens=seqs,
-            want_routes=any(r.return_routed_experts for r in decode + prefill),
-        )
-        # last_rows indexes into the logits matrix: decode rows first, then each prefill's last row.
-        return batch, last_rows, prompt_rows
-
     def _step(self) -> None:
+        t0, preempted = time.time(), self.stats["preemptions_total"]
         decode, prefill = self._schedule()
         if not decode and not prefill:
             return
-        batch, last_rows, prompt_rows = self._build(decode, prefill)
-        logits, routes = self.model.forward(batch)
+        batch, last_rows, prompt_rows = build_batch(
+            decode, prefill, self.pool.block_size, getattr(self.model, "needs_tokens", False)
+        )
+        if self.device.type == "cpu":
+            logits, routes = self.model.forward(batch)
+        else:  # one copy per batch tensor in, the logits out; sampling stays on the host (engine/device.py)
+            with self.device:
+                logits, routes = self.model.forward(batch_to(batch, self.device))
+            logits, routes = logits.cpu(), (None if routes is None else routes.cpu())
         self.stats["steps_total"] += 1
+        src, dst = tail_copies(prefill, self.pool.block_size)
+        if src and hasattr(self.model, "copy_blocks"):
+            with self.device:
+                self.model.copy_blocks(src, dst)  # each fork's partial prompt block, before anything writes it
+        forks = sum(r.fork_of is not None for r in prefill)
+        self.stats["prefills_total"] += len(prefill) - forks
+        self.stats["forked_prefills_total"] += forks
+        for r in prefill:
+            r.fork_of = None
         seqs = decode + prefill
         chosen = logits[torch.tensor(last_rows)]
         tokens, logprobs = sample(chosen, [r.params for r in seqs], [r.generator for r in seqs])
@@ -416,6 +414,25 @@ class Engine:
                 r.listener(r, 1, False)
         if not self.running and hasattr(self.model, "release"):
             self.model.release()  # the decode view's memory goes back as soon as nothing decodes
+        self._record_step(t0, batch, len(seqs), self.stats["preemptions_total"] - preempted)
+
+    def _record_step(self, t0: float, batch: Batch, n_seqs: int, preempted: int) -> None:
+        """One scheduler step on the timeline: kind, batch, tokens forwarded, KV use, preemptions; contiguous
+        steps of one kind fold into one span (`merge`), so a lane stays a few spans per rollout, not one per token."""
+        tokens = int(batch.input_ids.numel())
+        spans.record(
+            "engine",
+            "prefill" if batch.prefills else "decode",
+            t0,
+            time.time(),
+            merge=True,
+            batch=n_seqs,
+            tokens=tokens,
+            steps=1,
+            preempted=preempted,
+            kv_usage=round(self.pool.used / max(1, self.pool.num_blocks), 4),
+            version=self.weight_version,
+        )
 
     def _record_routes(self, seqs: list[Request], batch: Batch, routes: torch.Tensor) -> None:
         for row, s in enumerate(batch.token_seq):
@@ -446,10 +463,12 @@ class Engine:
         """Validate all, then copy all: a bad name or shape raises before any parameter changes."""
         from furlong.engine.weight_update import apply_named_tensors
 
+        t0 = time.time()
         apply_named_tensors(self.hf, named)
         if hasattr(self.model, "refresh"):
-            self.model.refresh(named.keys())  # packed weights follow their HF parameters
+            self.model.refresh(named.keys(), defer=version is None)  # packed once per sync: its stamped last bucket
         self.pool.flush()
         self.weight_version = int(version) if version is not None else self.weight_version + 1
         self.stats["weight_updates_total"] += 1
+        spans.record("engine", "weight-apply", t0, time.time(), tensors=len(named), version=self.weight_version)
         return self.weight_version

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from fastapi import Request as HTTPRequest
@@ -74,6 +74,33 @@ async def finished(engine: Engine, req: Request) -> Request:
         engine.abort(req.rid)
         raise
     return req
+
+
+async def finished_all(engine: Engine, reqs: list[Request]) -> list[Request]:
+    """`finished` for several requests submitted in one engine command, so they are admitted in the same
+    step and the ones with the same prompt (`sampling_params.n`) share one prefill."""
+    if len(reqs) == 1:
+        return [await finished(engine, reqs[0])]
+    loop = asyncio.get_running_loop()
+    dones = [loop.create_future() for _ in reqs]
+
+    def listener(done: asyncio.Future) -> Callable[[Request, int, bool], None]:
+        def on_event(r: Request, n: int, fin: bool) -> None:
+            if fin:
+                loop.call_soon_threadsafe(lambda: done.done() or done.set_result(None))
+
+        return on_event
+
+    for r, done in zip(reqs, dones):
+        r.listener = listener(done)
+    engine.submit_many(reqs)
+    try:
+        await asyncio.gather(*dones)
+    except asyncio.CancelledError:
+        for r in reqs:
+            engine.abort(r.rid)
+        raise
+    return reqs
 
 
 async def events(engine: Engine, req: Request) -> AsyncIterator[tuple[int, bool]]:

@@ -64,6 +64,17 @@ class BlockPool:
                 else:
                     self.free.append(b)
 
+    def share(self, blocks: list[int]) -> None:
+        """Take one more reference on live blocks: a forked sample reads its leader's full prompt blocks.
+
+        Why this is safe without copy-on-write machinery: a *full* block is never written again
+        (new tokens go to the tail block), so sharers only ever read it; the partial tail block is
+        the one a fork copies (`Engine._fork`)."""
+        for b in blocks:
+            if self.ref[b] == 0:
+                self.evictable.pop(b, None)
+            self.ref[b] += 1
+
     @staticmethod
     def chain(parent: int, tokens: list[int]) -> int:
         return hash((parent, tuple(tokens)))

@@ -42,6 +42,7 @@ def engine_argv(
     prefix_cache: bool,
     threads: int,
     admin_token: str,
+    device: str = "auto",
 ) -> Command:
     """The argv (and environment: the admin token) that starts one engine server of `backend`.
 
@@ -70,6 +71,8 @@ def engine_argv(
             argv += ["--max-context", str(max_context)]
         if not prefix_cache:
             argv.append("--no-prefix-cache")
+        if device != "auto":
+            argv += ["--device", device]
         return Command(argv, token_env(admin_token))
     if backend == "sglang":
         from furlong.engine import sglang
@@ -83,6 +86,7 @@ def engine_argv(
             max_running=max_running,
             max_context=max_context,
             prefix_cache=prefix_cache,
+            device=device,
         )
         return sglang.exec_command(cfg, admin_token)
     raise ValueError(f"engine.backend: unknown backend {backend!r}; choose one of {list(BACKENDS)}")

@@ -21,7 +21,33 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-NATIVE_ARCHS = {"qwen3", "llama", "qwen3_moe"}
+from furlong.engine.decode_rows import DecodeRows
+
+NATIVE_ARCHS = {"qwen2", "qwen3", "llama", "mistral", "qwen3_moe", "mixtral"}
+MOE_ARCHS = {"qwen3_moe", "mixtral"}  # top-k routed experts stored as [E, 2*ffn, hidden] / [E, hidden, ffn]
+
+
+def native_gap(cfg) -> str | None:
+    """Why the native path cannot run this config exactly (None: it can).
+
+    The native forward expresses pre-norm RMSNorm decoders with SiLU-gated MLPs (or
+    top-k routed experts), full causal attention and full-width RoPE. A model with
+    sliding-window layers, another activation or partial rotary would be served
+    wrong, not slowly, so such configs go to the HF fallback instead.
+    """
+    arch = cfg.model_type
+    if arch not in NATIVE_ARCHS:
+        return f"architecture {arch!r} has no native path (native: {sorted(NATIVE_ARCHS)})"
+    if getattr(cfg, "hidden_act", "silu") != "silu":
+        return f"hidden_act={cfg.hidden_act!r} (native: silu)"
+    window = getattr(cfg, "sliding_window", None)
+    if getattr(cfg, "use_sliding_window", True) and window is not None and window < cfg.max_position_embeddings:
+        return f"sliding_window={window} is shorter than max_position_embeddings={cfg.max_position_embeddings}"
+    if any(t != "full_attention" for t in getattr(cfg, "layer_types", None) or []):
+        return "some layers are not full attention (layer_types)"
+    if getattr(cfg, "partial_rotary_factor", 1.0) != 1.0:
+        return f"partial_rotary_factor={cfg.partial_rotary_factor} (native: full-width RoPE)"
+    return None
 
 
 def _onednn_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
@@ -94,31 +120,8 @@ class Batch:
     want_routes: bool = False
 
 
-@dataclass
-class DecodeKV:
-    """The decoding sequences' KV, contiguous per sequence: [D, kv, cap, hd] per layer.
-
-    Why: attention over the paged pool needs every block of every decoding
-    sequence gathered into one tensor, every layer, every step — at 32
-    sequences of ~100 tokens that is tens of MB of copies per step. While the
-    same sequences keep decoding (the common case) this view is extended by one
-    token per step instead (the pool still receives every token: it stays the
-    truth for prefix reuse and preemption). Any change of the decoding set, a
-    length that does not follow on, or a full buffer rebuilds it from the pool.
-    """
-
-    keys: tuple[int, ...]
-    lens: torch.Tensor  # [D] lengths already written
-    k: list[torch.Tensor]
-    v: list[torch.Tensor]
-
-    @property
-    def cap(self) -> int:
-        return self.k[0].shape[2]
-
-
 class NativeModel:
-    """Flat batched forward for Qwen3 / Llama / Qwen3-MoE over a paged KV pool."""
+    """Flat batched forward for Qwen2/3, Llama, Mistral, Qwen3-MoE and Mixtral over a paged KV pool."""
 
     def __init__(self, hf_model, num_blocks: int, block_size: int):
         cfg = hf_model.config
@@ -131,14 +134,15 @@ class NativeModel:
         self.eps = cfg.rms_norm_eps
         self.scale = self.head_dim**-0.5
         self.layers = list(hf_model.model.layers)
-        dtype = next(hf_model.parameters()).dtype
+        dtype, device = next(hf_model.parameters()).dtype, next(hf_model.parameters()).device
         # Block-major pool: gathering whole blocks copies block_size * kv * hd contiguous floats per row.
         shape = (num_blocks, block_size, self.n_kv, self.head_dim)
         self.block_size = block_size
-        self.k_pool = [torch.zeros(shape, dtype=dtype) for _ in self.layers]
-        self.v_pool = [torch.zeros(shape, dtype=dtype) for _ in self.layers]
-        self.is_moe = self.arch == "qwen3_moe"
-        self.linear, self._pack = pick_linear(dtype)
+        self.k_pool = [torch.zeros(shape, dtype=dtype, device=device) for _ in self.layers]  # on the weights' device
+        self.v_pool = [torch.zeros(shape, dtype=dtype, device=device) for _ in self.layers]
+        self.is_moe = self.arch in MOE_ARCHS
+        # oneDNN packing is a CPU kernel; on a GPU the forward multiplies by the HF weights themselves.
+        self.linear, self._pack = pick_linear(dtype) if self.k_pool[0].is_cpu else (F.linear, lambda w: w)
         # Dense weights by key ("3.qkv", "lm_head", ...): (source tensor, the HF parameters it reads).
         self.sources: dict[str, tuple[torch.Tensor, list[torch.Tensor]]] = {}
         for li, layer in enumerate(self.layers):
@@ -151,26 +155,44 @@ class NativeModel:
         self._add("lm_head", hf_model.lm_head.weight, [hf_model.lm_head])
         self.w: dict[str, torch.Tensor] = {}  # what the forward multiplies by: packed (oneDNN) or the source itself
         self.refresh()
-        self.decode_kv: DecodeKV | None = None
+        self.decode_kv: DecodeRows | None = None
 
     def _add(self, key: str, source: torch.Tensor | None, modules: list) -> None:
         if source is not None:
             self.sources[key] = (source, [m.weight for m in modules])
 
-    def refresh(self, names=None) -> None:
-        """Re-pack the weights that read the named HF parameters (all when `names` is None), after an update."""
+    def refresh(self, names=None, defer: bool = False) -> None:
+        """Re-pack the weights that read the named HF parameters (all when `names` is None), after an update.
+
+        `defer`: only mark them; they are packed at the next non-deferred refresh or before the next
+        forward, whichever comes first. Why: a sync arrives in buckets, and a fused weight (q|k|v) whose
+        parts land in different buckets would otherwise be re-packed — a full copy — once per bucket."""
         if names is None:
             keys = list(self.sources)
         else:
             params = self.hf.state_dict(keep_vars=True)
             touched = {id(params[n]) for n in names if n in params}
             keys = [k for k, (_, deps) in self.sources.items() if any(id(d) in touched for d in deps)]
-        for k in keys:
+        self._dirty = getattr(self, "_dirty", set()) | set(keys)
+        if not defer:
+            self._repack()
+
+    def _repack(self) -> None:
+        for k in self._dirty:
             self.w[k] = self._pack(self.sources[k][0])
+        self._dirty = set()
 
     def release(self) -> None:
-        """Drop the decode view (the scheduler calls this when nothing is running)."""
+        """Drop the decode rows (the scheduler calls this when nothing is running)."""
         self.decode_kv = None
+
+    def copy_blocks(self, src: list[int], dst: list[int]) -> None:
+        """Copy whole KV blocks, every layer: a forked sample's partial prompt block from its leader's."""
+        dev = self.k_pool[0].device
+        s, d = torch.tensor(src, device=dev), torch.tensor(dst, device=dev)
+        for kb, vb in zip(self.k_pool, self.v_pool):
+            kb[d] = kb[s]
+            vb[d] = vb[s]
 
     def _norm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         return F.rms_norm(x, (x.shape[-1],), w, self.eps)
@@ -181,11 +203,13 @@ class NativeModel:
         return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), sin_signed)
 
     def _moe(self, mlp, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Top-k routed experts, computed like HF's Qwen3MoeSparseMoeBlock; returns (out, topk ids)."""
+        """Top-k routed experts, computed like HF's Qwen3-MoE / Mixtral blocks; returns (out, topk ids).
+
+        Mixtral's router always renormalises the top-k weights (it has no `norm_topk_prob`)."""
         gate = mlp.gate
         probs = torch.softmax(F.linear(x, gate.weight), dim=-1, dtype=torch.float)  # as HF: routing must match it
         top_w, top_i = torch.topk(probs, gate.top_k, dim=-1)
-        if gate.norm_topk_prob:
+        if getattr(gate, "norm_topk_prob", True):
             top_w = top_w / top_w.sum(dim=-1, keepdim=True)
         top_w = top_w.to(x.dtype)
         experts = mlp.experts
@@ -197,22 +221,40 @@ class NativeModel:
             out.index_add_(0, tok, h)
         return out, top_i
 
-    def _decode_view(self, b: Batch) -> tuple[DecodeKV, bool]:
-        """The decode view for this step and whether it must be rebuilt from the pool."""
-        lens, old = b.decode_lens, self.decode_kv
-        L = int(lens.max())
-        if old is not None and old.keys == b.decode_keys and L <= old.cap and torch.equal(old.lens + 1, lens):
-            return old, False
-        # Room to grow before the next rebuild. Zeros, not empty: a shorter sequence's masked tail is still
-        # multiplied (by a zero weight), and uninitialised memory may hold NaN.
-        shape = (len(lens), self.n_kv, L + max(L, 64), self.head_dim)
-        dtype = self.k_pool[0].dtype
-        return DecodeKV(
-            b.decode_keys,
-            lens,
-            [torch.zeros(shape, dtype=dtype) for _ in self.layers],
-            [torch.zeros(shape, dtype=dtype) for _ in self.layers],
-        ), True
+    def _decode_plan(self, b: Batch, dtype: torch.dtype) -> tuple:
+        """This step's decode rows: (rows, inverse order or None, fill batch idx, fill rows, mask, last, L)."""
+        dec = self.decode_kv or DecodeRows(len(self.layers), self.n_kv, self.head_dim, self.k_pool[0].dtype)
+        self.decode_kv = None  # set again only if this forward completes
+        lens = b.decode_lens.tolist()
+        rows, fill_i, fill_r = dec.assign(b.decode_keys, lens)
+        D, L = len(lens), max(lens)
+        inv = None if fill_r == list(range(D)) or torch.equal(rows, torch.arange(D)) else torch.argsort(rows)
+        row_lens = b.decode_lens if inv is None else b.decode_lens[inv]  # attention runs in row order
+        mask = torch.zeros(D, 1, 1, L, dtype=dtype).masked_fill_(
+            (torch.arange(L)[None, :] >= row_lens[:, None])[:, None, None, :], float("-inf")
+        )
+        return dec, (rows, inv, torch.tensor(fill_i), torch.tensor(fill_r), mask, b.decode_lens - 1, L)
+
+    def _decode_attention(self, li: int, q, k, v, b: Batch, dec: DecodeRows, plan: tuple) -> torch.Tensor:
+        """GQA decode attention of the D decoding tokens over their persistent rows; returns [D, H, hd]."""
+        rows, inv, fill_i, fill_r, mask, last, L = plan
+        D, hd, g = b.n_decode, self.head_dim, self.n_heads // self.n_kv
+        kb, vb, kd, vd = self.k_pool[li], self.v_pool[li], dec.k[li], dec.v[li]
+        if len(fill_i):  # joined (or moved) sequences: gather their blocks from the pool, new token included
+            Lf = int(b.decode_lens[fill_i].max())
+            flat = b.decode_blocks[fill_i, : -(-Lf // self.block_size)].reshape(-1)  # index_select: fast here
+            kd[fill_r, :, :Lf] = kb.index_select(0, flat).view(len(fill_i), -1, self.n_kv, hd)[:, :Lf].transpose(1, 2)
+            vd[fill_r, :, :Lf] = vb.index_select(0, flat).view(len(fill_i), -1, self.n_kv, hd)[:, :Lf].transpose(1, 2)
+        kd[rows, :, last] = k[:D]
+        vd[rows, :, last] = v[:D]
+        # The g query heads of a kv head as the rows of one small matmul. Plain matmuls read the strided
+        # [:D, :, :L] views in place; SDPA would first copy them contiguous.
+        qd = q[:D].view(D, self.n_kv, g, hd)
+        if inv is not None:
+            qd = qd[inv]
+        scores = torch.matmul(qd, kd[:D, :, :L].transpose(-1, -2)).mul_(self.scale).add_(mask)
+        o = torch.matmul(scores.softmax(-1), vd[:D, :, :L]).view(D, self.n_heads, hd)
+        return o if inv is None else o[rows]
 
     def _prefill_plan(self, b: Batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
         """Pad every fresh (no cached prefix) prompt chunk into one [P, Lmax] batch for one attention call.
@@ -233,6 +275,8 @@ class NativeModel:
     @torch.inference_mode()
     def forward(self, b: Batch) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Return (logits[len(logit_rows), V] in fp32, routes[T, layers, k] or None)."""
+        if self._dirty:
+            self._repack()  # a sync's last bucket had no version stamp: pack what it left marked
         m, lin = self.hf.model, self.linear
         x = m.embed_tokens(b.input_ids)
         cos, sin = m.rotary_emb(x[None], b.positions[None])
@@ -246,14 +290,8 @@ class NativeModel:
         nq, nk = self.n_heads * hd, self.n_kv * hd
         dec = None
         if D:
-            dec, rebuild = self._decode_view(b)
+            dec, dplan = self._decode_plan(b, x.dtype)
         self.decode_kv = None  # set again only if this forward completes
-        if D:
-            L = int(b.decode_lens.max())
-            dmask = torch.zeros(D, 1, 1, L, dtype=x.dtype).masked_fill_(
-                (torch.arange(L)[None, :] >= b.decode_lens[:, None])[:, None, None, :], float("-inf")
-            )
-            rows, last = torch.arange(D), b.decode_lens - 1
         plan = self._prefill_plan(b)
         routes = []
         for li, layer in enumerate(self.layers):
@@ -274,19 +312,7 @@ class NativeModel:
             vp.index_copy_(0, b.write_slots, v)
             out = torch.empty_like(q)
             if D:
-                kd, vd = dec.k[li], dec.v[li]
-                if rebuild:  # gather every block of every decoding sequence once
-                    flat = b.decode_blocks.view(-1)  # index_select is several times faster than advanced indexing here
-                    kd[:, :, :L] = kb.index_select(0, flat).view(D, -1, self.n_kv, hd)[:, :L].transpose(1, 2)
-                    vd[:, :, :L] = vb.index_select(0, flat).view(D, -1, self.n_kv, hd)[:, :L].transpose(1, 2)
-                else:
-                    kd[rows, :, last] = k[:D]
-                    vd[rows, :, last] = v[:D]
-                # GQA decode with the g query heads of a kv head as the rows of one small matmul. Plain
-                # matmuls read the strided [:, :, :L] views in place; SDPA would first copy them contiguous.
-                qd = q[:D].view(D, self.n_kv, g, hd)
-                scores = torch.matmul(qd, kd[:, :, :L].transpose(-1, -2)).mul_(self.scale).add_(dmask)
-                out[:D] = torch.matmul(scores.softmax(-1), vd[:, :, :L]).view(D, self.n_heads, hd)
+                out[:D] = self._decode_attention(li, q, k, v, b, dec, dplan)
             if plan is not None:
                 idx, valid, mask = plan
                 qs = q[idx].transpose(1, 2)  # [P, H, Lm, hd]
@@ -314,13 +340,14 @@ class NativeModel:
                 x = x + y
             elif f"{li}.gate_up" in self.w:
                 gate, up = lin(h, self.w[f"{li}.gate_up"]).chunk(2, dim=-1)
-                x = x + lin(F.silu(gate) * up, self.w[f"{li}.down"])
-            else:
-                x = x + lin(F.silu(lin(h, mlp.gate_proj.weight)) * lin(h, mlp.up_proj.weight), self.w[f"{li}.down"])
+                x = x + lin(F.silu(gate) * up, self.w[f"{li}.down"], mlp.down_proj.bias)
+            else:  # biased gate/up (Llama mlp_bias): not fused
+                gate, up = (lin(h, p.weight, p.bias) for p in (mlp.gate_proj, mlp.up_proj))
+                x = x + lin(F.silu(gate) * up, self.w[f"{li}.down"], mlp.down_proj.bias)
         x = self._norm(x[b.logit_rows], m.norm.weight)
         logits = lin(x, self.w["lm_head"], self.hf.lm_head.bias).float()
         if dec is not None:
-            dec.lens = b.decode_lens
+            dec.commit(dplan[0], b.decode_lens.tolist())
         self.decode_kv = dec
         return logits, (torch.stack(routes, dim=1) if routes else None)
 
@@ -373,12 +400,12 @@ class FallbackModel:
 
 
 def build_model(hf_model, num_blocks: int, block_size: int, backend: str = "auto"):
-    """Pick the native path for known archs (or when forced), the fallback otherwise."""
+    """Pick the native path where `native_gap` finds nothing missing (or when forced), the fallback otherwise."""
     if backend not in ("auto", "native", "hf"):
         raise ValueError(f"--backend: unknown backend {backend!r}; choose auto, native or hf")
-    arch = hf_model.config.model_type
-    if backend == "hf" or (backend == "auto" and arch not in NATIVE_ARCHS):
+    gap = native_gap(hf_model.config)
+    if backend == "hf" or (backend == "auto" and gap is not None):
         return FallbackModel(hf_model)
-    if arch not in NATIVE_ARCHS:
-        raise ValueError(f"--backend native: architecture {arch!r} has no native path; use --backend hf")
+    if gap is not None:
+        raise ValueError(f"--backend native: {gap}; use --backend hf")
     return NativeModel(hf_model, num_blocks, block_size)

@@ -25,16 +25,16 @@ from fastapi import Request as HTTPRequest
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from furlong.core import api as P
-from furlong.core.tool_calls import TOOL_OPEN, parse_tool_calls
+from furlong.core.tool_calls import detect_tool_format, parse_tool_calls, tool_call_start
 from furlong.engine import validate as V
 from furlong.engine.engine import Engine
 from furlong.engine.http import body_of, events, finished, sse
 from furlong.engine.request import Request
 
 
-def openai_tool_calls(text: str) -> tuple[str, list[dict[str, Any]]]:
+def openai_tool_calls(text: str, fmt: str = "hermes") -> tuple[str, list[dict[str, Any]]]:
     """Split output text into (content, OpenAI `tool_calls` entries), with the one parser of `core.tool_calls`."""
-    content, calls, _ = parse_tool_calls(text)
+    content, calls, _ = parse_tool_calls(text, fmt)
     return content, [c.openai() for c in calls]
 
 
@@ -57,6 +57,8 @@ class OpenAIRoutes:
         self.engine = engine
         self.tok = engine.tokenizer
         self.name = engine.model_path
+        # The tool-call format the model's chat template writes (hermes, llama3, mistral).
+        self.tool_format = detect_tool_format(getattr(engine.tokenizer, "chat_template", None))
 
     # ------------------------------------------------------------------ shared pieces
     def token_str(self, t: int, as_ids: bool) -> str:
@@ -191,7 +193,7 @@ class OpenAIRoutes:
 
     def chat_choice(self, body: P.ChatIn, i: int, r: Request, use_tools: bool) -> dict[str, Any]:
         text = self.engine.result(r)["text"]
-        content, calls = openai_tool_calls(text) if use_tools else (text, [])
+        content, calls = openai_tool_calls(text, self.tool_format) if use_tools else (text, [])
         msg: dict[str, Any] = {"role": "assistant", "content": content if (content or not calls) else None}
         if calls:
             msg["tool_calls"] = calls
@@ -244,8 +246,9 @@ class OpenAIRoutes:
                 i, n, fin = await queue.get()
                 r = reqs[i]
                 text = self.partial_text(r, n, fin)
-                if use_tools and TOOL_OPEN in text:
-                    text = text[: text.find(TOOL_OPEN)]  # tool calls are sent whole at the end
+                opener = tool_call_start(self.tool_format) if use_tools else None
+                if opener and opener in text:
+                    text = text[: text.find(opener)]  # tool calls are sent whole at the end
                 if text.endswith("\ufffd") and not fin:
                     text = text[:-1]  # half a UTF-8 character: wait for the rest
                 delta_txt = text[len(sent_txt[i]) :] if text.startswith(sent_txt[i]) else ""
@@ -262,7 +265,7 @@ class OpenAIRoutes:
                 sent_tok[i] = n
                 if fin:
                     left -= 1
-                    calls = openai_tool_calls(self.engine.result(r)["text"])[1] if use_tools else []
+                    calls = openai_tool_calls(self.engine.result(r)["text"], self.tool_format)[1] if use_tools else []
                     if calls:
                         yield chunk(i, {"tool_calls": [{"index": k, **c} for k, c in enumerate(calls)]})
                     yield chunk(i, {}, _finish(r, bool(calls)))

@@ -46,6 +46,7 @@ class Request:
     n_cached: int = 0  # tokens whose KV is in the pool
     serial: int = 0  # set by the engine on arrival
     cached_prompt_tokens: int = 0
+    fork_of: Request | None = None  # the leader whose prompt KV this request shares (one step only)
     generator: Any = None
     created: float = field(default_factory=time.time)
     first_token_time: float | None = None

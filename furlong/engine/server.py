@@ -25,11 +25,12 @@ from fastapi import Request as HTTPRequest
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 from furlong.core import api as P
+from furlong.core import spans
 from furlong.core.api import CONTROL_PATHS
 from furlong.core.app_thread import AppThread
 from furlong.engine import validate as V
 from furlong.engine.engine import Engine
-from furlong.engine.http import body_of, error, events, finished, sse
+from furlong.engine.http import body_of, error, events, finished, finished_all, sse
 from furlong.engine.openai_api import add_openai_routes
 from furlong.engine.request import Request
 from furlong.engine.weight_update import WeightUpdateError
@@ -141,7 +142,7 @@ def add_generation_routes(app: FastAPI, engine: Engine) -> None:
             if len(reqs) > 1:
                 raise P.BadRequest("stream", "streaming supports one prompt with n=1")
             return StreamingResponse(stream_generate(reqs[0]), media_type="text/event-stream")
-        await asyncio.gather(*(finished(engine, r) for r in reqs))
+        await finished_all(engine, reqs)  # one engine command: the n samples of a prompt share one prefill
         out = [engine.result(r) for r in reqs]
         return JSONResponse(out if batched else out[0])
 
@@ -227,6 +228,11 @@ def add_info_routes(app: FastAPI, engine: Engine) -> None:
         lambda: {**model_info(), "paused": engine.paused, "uptime_s": time.time() - app.state.started}
     )
     app.get(P.WEIGHT_VERSION)(lambda: {"weight_version": engine.weight_version})
+
+    @app.get(spans.SPANS_PATH)
+    def timeline_spans(since: int = 0) -> dict[str, Any]:
+        """This process's spans after `since` (read-only, like /metrics): the driver pulls them each step."""
+        return spans.RECORDER.since(since)
 
     @app.get(P.METRICS)
     async def metrics():

@@ -20,8 +20,9 @@ The flags the rest of furlong relies on:
 The run's ``engine.*`` settings map onto SGLang's flags in `config_for`: ``max_context`` →
 ``--context-length``, ``prefix_cache=False`` → ``--disable-radix-cache``, ``kv_cache_mb`` →
 ``--max-total-tokens`` (SGLang sizes its KV pool in tokens, so the budget is divided by the
-model's KV bytes per token), ``max_running`` → ``--max-running-requests``, plus ``--dtype``,
-``--host`` and ``--port``.
+model's KV bytes per token), ``max_running`` → ``--max-running-requests``, ``device`` →
+``--device`` (``cuda:N`` → ``--device cuda --base-gpu-id N``; ``auto`` → SGLang's default), plus
+``--dtype``, ``--host`` and ``--port``.
 
 Usage::
 
@@ -79,6 +80,7 @@ class SGLangConfig:
     enable_memory_saver: bool = False
     deterministic: bool = False
     load_format: str | None = None  # "dummy" when weights arrive from the trainer before the first rollout
+    device: str | None = None  # SGLang's --device (cuda, cpu, ...); None: SGLang's default (cuda)
     extra_args: list[str] = field(default_factory=list)  # anything else, passed verbatim
 
     def validate(self) -> None:
@@ -137,6 +139,7 @@ def build_command(cfg: SGLangConfig, python: str = sys.executable) -> list[str]:
         "--max-total-tokens": cfg.max_total_tokens,
         "--random-seed": cfg.random_seed,
         "--load-format": cfg.load_format,
+        "--device": cfg.device,
     }
     for flag, value in options.items():
         if value is not None:
@@ -189,6 +192,7 @@ def config_for(
     max_running: int,
     max_context: int | None,
     prefix_cache: bool,
+    device: str = "auto",
 ) -> SGLangConfig:
     """The SGLang server that honours the run's `engine.*` settings (the mapping is in the module docstring)."""
     from furlong.engine.engine import context_window
@@ -204,6 +208,8 @@ def config_for(
         max_running_requests=max_running,
         max_total_tokens=kv_tokens(model_cfg, dtype, kv_cache_mb),
         disable_radix_cache=not prefix_cache,
+        device=None if device == "auto" else device.split(":")[0],  # cuda:N: the GPU index is --base-gpu-id
+        base_gpu_id=int(device.split(":")[1]) if device.startswith("cuda:") else 0,
     )
 
 

@@ -19,6 +19,7 @@ import re
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from furlong.core import spans
 from furlong.core.sample import Sample
 from furlong.data.datasets import Prompt
 from furlong.envs.protocol import ToolEnvironment, final_text
@@ -122,7 +123,9 @@ def _sandbox() -> LocalSandbox:
 
 async def run_tests(code: str, tests: str, sandbox: Any = None, timeout_s: float | None = None) -> dict[str, Any]:
     """Run `code` then `tests` in the sandbox (its own time limit unless `timeout_s`); its result plus `passed`."""
-    result = await (sandbox or _sandbox()).run(f"{code}\n\n{tests}\n", timeout_s=timeout_s)
+    with spans.span("env", "sandbox-run", purpose="tests") as attrs:  # the test run's latency on the env lane
+        result = await (sandbox or _sandbox()).run(f"{code}\n\n{tests}\n", timeout_s=timeout_s)
+        attrs["status"] = result["status"]
     return {**result, "passed": result["status"] == "ok"}
 
 

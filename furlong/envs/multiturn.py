@@ -37,6 +37,7 @@ import inspect
 import uuid
 from typing import Any
 
+from furlong.core import spans
 from furlong.core.sample import Sample, Status
 from furlong.data.chat import append_runs, encode_prompt, suffix_ids
 from furlong.envs.protocol import build_environment
@@ -114,7 +115,8 @@ async def generate(ctx: RolloutContext, sample: Sample, sampling_params: dict[st
                 return await _finish(env, rollout, sample, Status(sample.status), "length cut")
             sample.status, state["stepping"] = Status.PENDING, True  # no await since apply_response
         action = _turn_text(tok, sample, state["turn_start"], skip_special=False)
-        messages, done = await env.step(sample, action)
+        with spans.span("env", "env-step", sample=sample.index, group=sample.group_index, turn=state["turns"]):
+            messages, done = await env.step(sample, action)
         if done:
             return await _finish(env, rollout, sample, Status.COMPLETED, "")
         if state["turns"] >= max_turns:

@@ -57,7 +57,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from furlong.core.app_thread import AppThread
 from furlong.core.client import EngineError
 from furlong.core.sample import Sample
-from furlong.core.tool_calls import parse_tool_calls
+from furlong.core.tool_calls import detect_tool_format, parse_tool_calls
 from furlong.data.chat import encode_prompt
 from furlong.envs.session_store import (
     DEFAULT_MAX_SESSIONS,
@@ -167,7 +167,8 @@ class SessionServer:
             reply_ids = sample.tokens[len(sample.tokens) - len(out["output_ids"]) :]
             text = tok.decode(reply_ids, skip_special_tokens=True)
             use_tools = bool(body.get("tools")) and body.get("tool_choice") != "none"
-            content, calls, _ = parse_tool_calls(text) if use_tools else (text, [], [])
+            fmt = detect_tool_format(getattr(tok, "chat_template", None))  # the format the template writes
+            content, calls, _ = parse_tool_calls(text, fmt) if use_tools else (text, [], [])
             message: dict[str, Any] = {"role": "assistant", "content": content if (content or not calls) else None}
             if calls:
                 message["tool_calls"] = [c.openai() for c in calls]

@@ -18,6 +18,7 @@ import json
 from collections.abc import Callable
 from typing import Any
 
+from furlong.core import spans
 from furlong.core.tool_calls import ToolCall
 
 MAX_RESULT_CHARS = 4096
@@ -38,6 +39,13 @@ async def execute(
     A plain tool that times out keeps running in its thread until it returns (Python
     cannot kill a thread): tools that may hang should be async or use the sandbox.
     """
+    with spans.span("env", "tool-call", tool=call.name):  # each call's latency on the env lane of the timeline
+        return await _execute(call, tools, timeout_s=timeout_s, tool_fn=tool_fn)
+
+
+async def _execute(
+    call: ToolCall, tools: dict[str, Callable[..., Any]], *, timeout_s: float, tool_fn: Callable[..., Any] | None
+) -> str:
     try:
         if tool_fn is not None:
             result = await asyncio.wait_for(_invoke(tool_fn, call.name, call.arguments), timeout_s)

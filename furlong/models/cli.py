@@ -1,4 +1,4 @@
-"""`furlong models create --arch A --size S [--max-positions N] --out DIR`."""
+"""`furlong models create --arch A --size S [--max-positions N] [--template STYLE] --out DIR`."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import argparse
 import json
 
 from furlong.models.factory import ARCHS, SIZES, create_model
+from furlong.models.tokenizer import styles
 
 
 def main(argv: list[str]) -> int:
@@ -17,8 +18,13 @@ def main(argv: list[str]) -> int:
     c.add_argument("--out", default=None, help="directory to write (default: the cache directory)")
     c.add_argument("--seed", type=int, default=0)
     c.add_argument("--max-positions", type=int, default=2048, help="context length (RoPE positions)")
+    c.add_argument(
+        "--template", choices=list(styles()), default=None, help="chat-template style (default: the arch's family's)"
+    )
     args = p.parse_args(argv)
-    path = create_model(args.arch, args.size, args.out, args.seed, max_positions=args.max_positions)
+    path = create_model(
+        args.arch, args.size, args.out, args.seed, max_positions=args.max_positions, template=args.template
+    )
     info = json.loads((path / "furlong_model.json").read_text())
     print(f"{path}  ({info['arch']}/{info['size']}, {info['parameters'] / 1e6:.2f}M parameters)")
     return 0

@@ -1,4 +1,4 @@
-"""Tiny Qwen3 / Llama / Qwen3-MoE models, built locally and cached by content hash.
+"""Tiny random-weight models of every family in `families.py`, built locally and cached by content hash.
 
 `create_model(arch, size, out)` writes a directory that `AutoTokenizer` and
 `AutoModelForCausalLM.from_pretrained` load like any hub model, so every later
@@ -16,9 +16,12 @@ import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from furlong.models.families import FAMILIES, family_config
+
 DEFAULT_POSITIONS = 2048
 FACTORY_VERSION = 4  # bump when the factory's output changes, to invalidate caches
-ARCHS = ("qwen3", "llama", "qwen3_moe")
+BASE_ARCHS = ("qwen3", "llama", "qwen3_moe")  # the recipes' `model.arch`; ChatML tokenizers by default
+ARCHS = BASE_ARCHS + tuple(a for a in FAMILIES if a not in BASE_ARCHS)
 
 
 @dataclass(frozen=True)
@@ -78,13 +81,22 @@ def hf_config(arch: str, size: Size, max_positions: int = DEFAULT_POSITIONS):
             norm_topk_prob=True,
             decoder_sparse_step=1,
         )
+    if arch in FAMILIES:
+        return family_config(arch, common, size.moe_ffn or size.ffn // 2)
     raise ValueError(f"model.arch: unknown architecture {arch!r}; choose one of {list(ARCHS)}")
 
 
-def _key(arch: str, size: str, seed: int, max_positions: int = DEFAULT_POSITIONS) -> str:
+def default_style(arch: str) -> str:
+    """The tokenizer template style `arch` gets without `template=`: ChatML for the recipe archs, else its family's."""
+    return "chatml" if arch in BASE_ARCHS else FAMILIES[arch].style
+
+
+def _key(arch: str, size: str, seed: int, max_positions: int = DEFAULT_POSITIONS, style: str | None = None) -> str:
     spec = {"arch": arch, "size": asdict(SIZES[size]), "seed": seed, "factory": FACTORY_VERSION}
     if max_positions != DEFAULT_POSITIONS:  # the default keeps the keys (and caches) models had before the option
         spec["max_positions"] = max_positions
+    if style is not None and style != default_style(arch):  # likewise for the template style
+        spec["template"] = style
     return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -94,8 +106,12 @@ def create_model(
     out: str | Path | None = None,
     seed: int = 0,
     max_positions: int = DEFAULT_POSITIONS,
+    template: str | None = None,
 ) -> Path:
     """Build (or reuse) a model directory and return its path.
+
+    `template` is the tokenizer's chat-template style (`tokenizer.styles()`: chatml, qwen3_thinking,
+    llama3, mistral, gemma, phi3, tulu); None gives the architecture's default (`default_style`).
 
     `max_positions` is the context length (RoPE positions); agent harnesses with long
     system prompts (Harbor's Terminus: ~2k tokens in this vocabulary) need more than the default.
@@ -109,10 +125,11 @@ def create_model(
         raise ValueError(f"--size: unknown size {size!r}; choose one of {list(SIZES)}")
     if not 64 <= max_positions <= 1 << 17:
         raise ValueError(f"--max-positions: {max_positions} is outside [64, 131072]")
-    key = _key(arch, size, seed, max_positions)
+    style = template or default_style(arch)
+    key = _key(arch, size, seed, max_positions, style)
     cached = cache_root() / f"{arch}-{size}-{key}"
     if not (cached / "furlong_model.json").exists():
-        _build(arch, size, seed, cached, key, max_positions)
+        _build(arch, size, seed, cached, key, max_positions, style)
     if out is None:
         return cached
     out = Path(out)
@@ -125,22 +142,32 @@ def create_model(
     return out
 
 
-def _build(arch: str, size: str, seed: int, dest: Path, key: str, max_positions: int = DEFAULT_POSITIONS) -> None:
+def _build(
+    arch: str, size: str, seed: int, dest: Path, key: str, max_positions: int = DEFAULT_POSITIONS, style: str = "chatml"
+) -> None:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from furlong.models.tokenizer import build_tokenizer
+    from furlong.models.tokenizer import build_tokenizer, styles
 
     spec = SIZES[size]
     tmp = dest.with_name(dest.name + f".tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    tokenizer = build_tokenizer(spec.vocab, seed)
+    tokenizer = build_tokenizer(spec.vocab, seed, style)
+    st = styles()[style]
     tokenizer.model_max_length = max_positions
     assert len(tokenizer) <= spec.vocab, (len(tokenizer), spec.vocab)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(hf_config(arch, spec, max_positions), dtype=torch.float32)
-    model.generation_config.eos_token_id = tokenizer.convert_tokens_to_ids(["<|endoftext|>", "<|im_end|>"])
+    config = hf_config(arch, spec, max_positions)
+    if st.bos is not None:
+        config.bos_token_id = tokenizer.convert_tokens_to_ids(st.bos)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    # The stop tokens: end of text and the template's end of turn, as the family's generation_config lists them.
+    model.generation_config.eos_token_id = tokenizer.convert_tokens_to_ids(
+        list(dict.fromkeys([st.eos, st.end_of_turn]))
+    )
+    model.generation_config.bos_token_id = config.bos_token_id
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
@@ -153,6 +180,7 @@ def _build(arch: str, size: str, seed: int, dest: Path, key: str, max_positions:
                 "size": size,
                 "seed": seed,
                 "max_positions": max_positions,
+                "template": style,
                 "parameters": n_params,
             },
             indent=2,
@@ -163,16 +191,3 @@ def _build(arch: str, size: str, seed: int, dest: Path, key: str, max_positions:
         os.rename(tmp, dest)
     except OSError:
         shutil.rmtree(tmp, ignore_errors=True)  # another process won the race
-
-
-def load_tokenizer(path: str | Path):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(path))
-
-
-def load_model(path: str | Path, dtype: str = "float32"):
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(str(path), dtype=getattr(torch, dtype))

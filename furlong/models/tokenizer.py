@@ -14,6 +14,8 @@ import random
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import PreTrainedTokenizerFast
 
+from furlong.models.templates import FAMILY_STYLES, Style
+
 EOS = "<|endoftext|>"
 IM_START = "<|im_start|>"
 IM_END = "<|im_end|>"
@@ -59,6 +61,44 @@ CHAT_TEMPLATE = (
 )
 
 
+# Qwen3 style: ChatML whose assistant turns before the last user message lose their <think> block. Real
+# Qwen3 templates do this, so it does NOT continue token-in-token-out (`furlong tito check` says so).
+QWEN3_THINKING_TEMPLATE = (
+    "{% set ns = namespace(last_user=-1) %}"
+    "{% for m in messages %}{% if m.role == 'user' %}{% set ns.last_user = loop.index0 %}{% endif %}{% endfor %}"
+    "{% for message in messages %}"
+    "{% if message.role == 'assistant' %}"
+    "{% set content = message.content or '' %}"
+    "{% if loop.index0 < ns.last_user and '</think>' in content %}"
+    "{% set content = content.split('</think>')[-1].lstrip('\n') %}{% endif %}"
+    "<|im_start|>assistant\n{{ content }}"
+    "{% for tc in message.tool_calls or [] %}{% set f = tc.function if tc.function is defined else tc %}"
+    '<tool_call>{"name": "{{ f.name }}", "arguments": '
+    "{% if f.arguments is string %}{{ f.arguments }}{% else %}{{ f.arguments | tojson }}{% endif %}"
+    "}</tool_call>{% endfor %}<|im_end|>\n"
+    "{% elif message.role == 'tool' %}"
+    "<|im_start|>tool\n<tool_response>{{ message.content }}</tool_response><|im_end|>\n"
+    "{% else %}<|im_start|>{{ message.role }}\n{{ message.content }}<|im_end|>\n{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def styles() -> dict[str, Style]:
+    """Every template style a tokenizer can be built with: ChatML (default), Qwen3 thinking, the other families."""
+    chatml = Style("chatml", tuple(SPECIAL_TOKENS), EOS, IM_END, CHAT_TEMPLATE, "hermes", added=tuple(TOOL_TOKENS))
+    qwen3 = Style(
+        "qwen3_thinking",
+        tuple(SPECIAL_TOKENS),
+        EOS,
+        IM_END,
+        QWEN3_THINKING_TEMPLATE,
+        "hermes",
+        added=(*TOOL_TOKENS, "<think>", "</think>"),
+    )
+    return {"chatml": chatml, "qwen3_thinking": qwen3, **FAMILY_STYLES}
+
+
 def _corpus(seed: int, n: int = 4000) -> list[str]:
     """Text shaped like furlong's tasks and chat turns, for BPE merges."""
     rng = random.Random(seed)
@@ -89,28 +129,32 @@ def _corpus(seed: int, n: int = 4000) -> list[str]:
     return out
 
 
-def build_tokenizer(vocab_size: int = 512, seed: int = 0) -> PreTrainedTokenizerFast:
-    """Train a byte-level BPE tokenizer and wrap it for `transformers`."""
+def build_tokenizer(vocab_size: int = 512, seed: int = 0, style: str = "chatml") -> PreTrainedTokenizerFast:
+    """Train a byte-level BPE tokenizer and wrap it for `transformers`, with `style`'s tokens and template."""
+    all_styles = styles()
+    if style not in all_styles:
+        raise ValueError(f"--template: unknown template style {style!r}; choose one of {list(all_styles)}")
+    st = all_styles[style]
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     tok.post_processor = processors.ByteLevel(trim_offsets=False)
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size - len(TOOL_TOKENS),
-        special_tokens=SPECIAL_TOKENS,
+        vocab_size=vocab_size - len(st.added),
+        special_tokens=list(st.special),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
     tok.train_from_iterator(_corpus(seed), trainer=trainer)
-    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in TOOL_TOKENS])
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in st.added])
     # padding_side and chat_template go to the constructor, or save_pretrained drops them.
     return PreTrainedTokenizerFast(
         tokenizer_object=tok,
-        eos_token=EOS,
-        pad_token=EOS,
-        bos_token=None,
+        eos_token=st.eos,
+        pad_token=st.eos,
+        bos_token=st.bos,
         unk_token=None,
         padding_side="left",
-        chat_template=CHAT_TEMPLATE,
+        chat_template=st.template,
         model_max_length=2048,
     )

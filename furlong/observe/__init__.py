@@ -3,6 +3,7 @@
 `EventStore` is what every process calls; `furlong.dashboard` reads what it wrote.
 """
 
-from furlong.observe.store import DB_NAME, PHASES, EventStore
+from furlong.core.spans import PHASES
+from furlong.observe.store import DB_NAME, EventStore
 
 __all__ = ["DB_NAME", "PHASES", "EventStore"]

@@ -12,7 +12,9 @@ Checks (thresholds are module constants, documented in docs/dashboard.md):
 - **reward / length drift**: the mean of the last `DRIFT_WINDOW` steps is more
   than `DRIFT_SIGMAS` standard deviations (of the first window) from the first
   window's mean — a collapse or an explosion of reward or response length;
-- **dropped events**: the event store lost events (its queue was full).
+- **dropped events**: the event store lost events (its queue was full);
+- **engine-idle / trainer-idle, straggler, staleness**: from the workers' timeline and the
+  samples' staleness (`balance.py` says how each is computed).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import statistics
 import time
 from typing import Any
 
+from furlong.observe.balance import balance
 from furlong.observe.reader import RunReader
 
 STALL_FACTOR = 3.0
@@ -74,6 +77,7 @@ def advise(reader: RunReader, *, live: bool = False, now: float | None = None) -
         )
     out += _drift(series, "samples/reward_mean", "reward-drift", "mean reward")
     out += _drift(series, "samples/response_length_mean", "length-drift", "mean response length")
+    out += balance(reader.timeline(), series, _adv)  # engine / trainer idle, stragglers, staleness
     return {"advisories": out, "message": summary["message"]}
 
 

@@ -53,8 +53,7 @@ log = logging.getLogger("furlong.observe")
 
 DB_NAME = "events.sqlite"
 SCHEMA_VERSION = 1
-# Phases the dashboard knows by colour; any other string is accepted and drawn grey.
-PHASES = ("generate", "reward", "ref-logprob", "forward-backward", "optimiser", "weight-sync", "eval", "idle")
+# Phases the dashboard knows by colour live with the recorder (furlong/core/spans.py); any other string is drawn grey.
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta(key TEXT PRIMARY KEY, value TEXT NOT NULL);

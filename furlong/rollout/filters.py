@@ -19,10 +19,12 @@ A group that holds a failed sample never reaches the filters: it is dropped as
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
+from furlong.core import spans
 from furlong.core.sample import Sample, Status
 from furlong.rollout.rewards import call
 
@@ -52,7 +54,10 @@ async def group_drop_reason(samples: list[Sample], dynamic_filter_fn: Callable[.
         return "reward_error" if any(s.metadata.get("reward_error") for s in failed) else "failed"
     if dynamic_filter_fn is None:
         return None
-    return _reason(await call(dynamic_filter_fn, samples), "dynamic_filter")
+    t0 = time.time()
+    verdict = await call(dynamic_filter_fn, samples)
+    spans.record("driver", "filter", t0, time.time(), merge=True, samples=len(samples))
+    return _reason(verdict, "dynamic_filter")
 
 
 async def apply_sample_filter(samples: list[Sample], sample_filter_fn: Callable[..., Any] | None) -> Counter[str]:
@@ -60,10 +65,12 @@ async def apply_sample_filter(samples: list[Sample], sample_filter_fn: Callable[
     counts: Counter[str] = Counter()
     if sample_filter_fn is None:
         return counts
+    t0 = time.time()
     for s in samples:
         reason = _reason(await call(sample_filter_fn, s), "sample_filter")
         if reason is not None:
             s.loss_mask[:] = [0] * len(s.loss_mask)
             s.metadata["filtered"] = reason
             counts[reason] += 1
+    spans.record("driver", "filter", t0, time.time(), merge=True, samples=len(samples))
     return counts

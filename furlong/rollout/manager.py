@@ -54,11 +54,14 @@ sum(filtered) + in_buffer`; regenerations are counted separately, by reason.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import math
+import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
+from furlong.core import spans
 from furlong.core.client import EngineClient
 from furlong.core.sample import Sample, Status
 from furlong.core.version import WeightVersion
@@ -101,9 +104,13 @@ class RolloutManager:
         eval_fn: Callable[..., Any] | None = None,
         buffer_factory: Callable[[int], Any] | None = None,
         weights: WeightVersion | None = None,
+        serving: Callable[[], Awaitable[bool]] | None = None,
     ):
         """`weights`: the run's weight-version owner (the driver's); without one the manager keeps its own,
         starting at `initial_version`. `reward_post_fn` reshapes each whole batch's rewards before training.
+        `serving`: after a failed generate, waits while nothing can serve (the supervisor's `wait_serving`,
+        True when it waited): a failure during an outage is retried without counting as one of the sample's
+        `max_sample_attempts`, so an outage delays prompts instead of dropping them.
 
         The plug points come as functions (see PLUG_ARGS), each None for the built-in: `generate`, the
         task's reward, `zero_variance` when `dynamic_filter` is on, the built-in eval, `GroupBuffer`.
@@ -124,10 +131,11 @@ class RolloutManager:
         self.seed = seed
         self.eval_prompts = list(eval_prompts or [])
         self.max_sample_attempts = max_sample_attempts
+        self.serving = serving
         self.window = math.ceil(c.rollout_batch_size * c.over_sampling)
         capacity = self.window
-        if self.mode == "async":
-            capacity = c.max_buffer_groups or 2 * self.window
+        if self.mode == "async":  # as many windows as may be in flight unstale: more would be regenerated
+            capacity = c.max_buffer_groups or max(1, c.max_staleness) * self.window
         self.buffer = (buffer_factory or GroupBuffer)(capacity)
         self.bound = {"sync": 0, "overlap": max(1, c.max_staleness), "async": c.max_staleness}[self.mode]
         # Sync never drops its over-sampling surplus: it is regenerated on the new weights.
@@ -175,7 +183,10 @@ class RolloutManager:
         while len(accepted) < B:
             if self.mode != "async":
                 self._fill(math.ceil((B - len(accepted)) * self.config.over_sampling))
+            t_wait = time.time()
             group = await self._head()
+            if self.mode != "sync":  # waiting on the buffer (in sync mode this wait is the generation itself)
+                spans.record("driver", "buffer-wait", t_wait, time.time(), merge=True, groups=1)
             if group is None:
                 raise RolloutExhausted(f"data source exhausted: {len(accepted)} of {B} groups for step {step}")
             if self._is_stale(group):
@@ -225,12 +236,13 @@ class RolloutManager:
             return None
         return await self.evaluate(step)
 
-    async def evaluate(self, step: int = 0) -> dict[str, float]:
+    async def evaluate(self, step: int = 0, client: EngineClient | None = None) -> dict[str, float]:
         """Held-out metrics: `rollout.eval_fn` if given, else pass@k over `eval_n_samples` samples and greedy accuracy.
 
         An eval function is called as the registry's `EvalFn` protocol says: (ctx, [(prompt, prompt ids)]) and
         every offered keyword (n_samples, sampling_params, reward_fn, generate_fn, seed, step); one loaded
-        through the registry sees only those it declares."""
+        through the registry sees only those it declares. `client`: evaluate another engine's model (a
+        distillation teacher) on the same prompts; None: the policy's engines."""
         held = not self._running.is_set()
         self.client.release()  # eval runs between steps, when sync mode holds the client
         pairs = [(p, self._encode(p)) for p in self.eval_prompts]
@@ -242,10 +254,11 @@ class RolloutManager:
             "seed": self.seed,
         }
         try:
+            ctx = self.ctx if client is None else dataclasses.replace(self.ctx, client=client)
             if self.eval_fn is not None:  # the `EvalFn` protocol: (ctx, pairs) plus the offered keywords
-                metrics = await call(self.eval_fn, self.ctx, pairs, **offered, step=step)
+                metrics = await call(self.eval_fn, ctx, pairs, **offered, step=step)
             else:
-                metrics = await evaluate(self.ctx, pairs, **offered)
+                metrics = await evaluate(ctx, pairs, **offered)
         finally:
             if held:
                 self.client.hold()
@@ -282,6 +295,7 @@ class RolloutManager:
             "partial_aborts": self._counts["partial_aborts"],
             "partial_resumes": self._counts["partial_resumes"],
             "generate_errors": self._counts["generate_errors"],
+            "outage_retries": self._counts["outage_retries"],
             "reward_errors": self._counts["reward_errors"],
             "requests": self.client.requests,
             "evals": self._counts["evals"],
@@ -456,8 +470,11 @@ class RolloutManager:
                 if Status(s.status) == Status.PENDING:
                     raise RuntimeError("the generate function returned the sample with status 'pending'")
             except Exception as e:  # noqa: BLE001 - the engine's error becomes the sample's reason
-                failures += 1
                 self._counts["generate_errors"] += 1
+                if self.serving is not None and await self.serving():
+                    self._counts["outage_retries"] += 1  # nothing could serve: not one of the sample's attempts
+                    continue
+                failures += 1
                 if failures >= self.max_sample_attempts:
                     s.status = Status.FAILED
                     s.status_reason = f"generate failed {failures} times; last: {type(e).__name__}: {e}"

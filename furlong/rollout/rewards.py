@@ -21,9 +21,11 @@ from __future__ import annotations
 
 import inspect
 import math
+import time
 from collections.abc import Callable
 from typing import Any
 
+from furlong.core import spans
 from furlong.core.sample import Sample, Status
 
 Reward = float | dict[str, float]
@@ -74,8 +76,10 @@ def _fail(sample: Sample, where: str, e: BaseException) -> None:
 
 async def score_sample(sample: Sample, reward_fn: Callable[..., Any]) -> bool:
     """Set `sample.reward`; False (and the sample failed, with the reason) if the reward raised."""
+    t0 = time.time()
     try:
         sample.reward = check_reward(await call(reward_fn, sample))
+        spans.record("driver", "reward", t0, time.time(), merge=True, samples=1)  # contiguous calls fold into one
         return True
     except Exception as e:  # noqa: BLE001 - any user error becomes the sample's failure reason
         _fail(sample, "reward_fn", e)
@@ -84,8 +88,10 @@ async def score_sample(sample: Sample, reward_fn: Callable[..., Any]) -> bool:
 
 async def score_group(samples: list[Sample], group_reward_fn: Callable[..., Any]) -> bool:
     """Set every sample's reward from one group call; on error every sample fails with the reason."""
+    t0 = time.time()
     try:
         rewards = await call(group_reward_fn, samples)
+        spans.record("driver", "reward", t0, time.time(), merge=True, samples=len(samples))
         if len(rewards) != len(samples):
             raise ValueError(f"returned {len(rewards)} rewards for a group of {len(samples)}")
         checked = [check_reward(r) for r in rewards]

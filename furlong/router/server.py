@@ -48,6 +48,7 @@ import asyncio
 import json
 import logging
 import secrets
+import time
 from collections import Counter
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -59,7 +60,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from furlong.core import api
+from furlong.core import api, spans
 from furlong.core.app_thread import AppThread
 from furlong.router.bodies import MAX_BODY_BYTES, BodyTooLarge, check_limit, read_body
 from furlong.router.health import HEALTHY, Engine, EnginePool, normalize_url
@@ -137,6 +138,7 @@ class Router:
             Route("/health", self.health, methods=["GET"]),
             Route("/engines", self.list_engines, methods=["GET"]),
             Route("/metrics", self.metrics, methods=["GET"]),
+            Route(spans.SPANS_PATH, self.timeline_spans, methods=["GET"]),
             Route("/add_engine", self.add_engine, methods=["POST"]),
             Route("/remove_engine", self.remove_engine, methods=["POST"]),
         ]
@@ -162,6 +164,7 @@ class Router:
     # ---------------------------------------------------------------- forwarding
 
     async def forward(self, request: Request) -> Response:
+        t_in = time.time()  # the request's time in the router (routing, retries) is one span of the router's lane
         path = request.url.path
         self.counts[f"requests{path}"] += 1
         raw = await read_body(request, self.max_body_bytes)
@@ -193,9 +196,14 @@ class Router:
             tried.append(engine.url)
             if attempt:
                 self.counts["retries"] += 1
+            t_send = time.time()
             response = await self._send(engine, request.method, path, raw, headers, request.url.query, problems)
             if response is not None:
+                queued = round(t_send - t_in, 6)
+                spans.record("router", "route", t_in, time.time(), path=path, attempts=attempt + 1, queue_s=queued)
                 return response
+            spans.record("router", "retry", t_send, time.time(), path=path, engine=engine.url)
+        spans.record("router", "route", t_in, time.time(), path=path, attempts=len(tried), error="unavailable")
         return error(503, self._unavailable(path, problems))
 
     async def _send(
@@ -319,6 +327,14 @@ class Router:
 
     async def list_engines(self, request: Request) -> Response:
         return JSONResponse({"policy": self.policy.name, "engines": [e.to_dict() for e in self.pool.engines.values()]})
+
+    async def timeline_spans(self, request: Request) -> Response:
+        """The router's spans after `?since=` (read-only): the driver pulls them each step."""
+        try:
+            since = int(request.query_params.get("since", "0"))
+        except ValueError:
+            return error(400, "since: expected an integer")
+        return JSONResponse(spans.RECORDER.since(since))
 
     async def metrics(self, request: Request) -> Response:
         lines = ["# TYPE furlong_router_requests_total counter"]

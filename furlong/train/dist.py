@@ -61,19 +61,44 @@ def close() -> None:
     dist.destroy_process_group()
 
 
-def shard(model: nn.Module, device: torch.device) -> nn.Module:
-    """FSDP2: shard every transformer block (the classes HF lists in `_no_split_modules`), then the root."""
+MIXED_PRECISION = ("none", "bf16")
+
+
+def mixed_policy(mode: str):
+    """FSDP2's `MixedPrecisionPolicy` for `train.mixed_precision`, or None (`none`: compute in the parameters' dtype).
+
+    `bf16`: parameters are all-gathered and used in bfloat16 for forward and backward, while
+    the sharded master weights, the optimiser state and the gradient reduce-scatter stay in
+    fp32 (`reduce_dtype`), so small updates are not lost to bf16's 8-bit mantissa. On GPUs
+    this is the usual RL-trainer setting; on CPU (gloo) it runs too, only slower.
+    """
+    if mode not in MIXED_PRECISION:
+        raise ValueError(f"train.mixed_precision: {mode!r} is not one of {list(MIXED_PRECISION)}")
+    if mode == "none":
+        return None
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+
+
+def shard(model: nn.Module, device: torch.device, mixed_precision: str = "none") -> nn.Module:
+    """FSDP2: shard every transformer block (the classes HF lists in `_no_split_modules`), then the root.
+
+    Over NCCL on GPU ranks, over gloo on CPU ranks (the same calls); `mixed_precision` see `mixed_policy`.
+    """
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
+    mp = mixed_policy(mixed_precision)
+    extra = {"mp_policy": mp} if mp is not None else {}
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     blocks: set[str] = set()
     for m in model.modules():
         blocks.update(getattr(m, "_no_split_modules", None) or [])
     for m in list(model.modules()):
         if type(m).__name__ in blocks:
-            fully_shard(m, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+            fully_shard(m, mesh=mesh, **extra)
+    fully_shard(model, mesh=mesh, **extra)
     return model
 
 

@@ -36,8 +36,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor, nn
 
+from furlong.core import spans
 from furlong.core.sample import Sample, SampleError
-from furlong.train import checkpoint, dist, qat
+from furlong.train import checkpoint, dist, mfu, qat
 from furlong.train.batch import Packed, TrainBatch, micro_batches, pack, partition
 from furlong.train.critic import ValueModel
 from furlong.train.hooks import TrainerHooks
@@ -125,6 +126,7 @@ class Trainer:
         self.step = 0
         self.seen_logprobs: dict[int, list[float]] = {}
         self.nonfinite_streak = 0  # optimiser steps in a row skipped for a NaN/inf loss or gradient
+        self.adv_metrics: dict[str, float] = {}  # the last prepared batch's `advantage/<estimator>/...`
 
     # ------------------------------------------------------------------ set-up
     def _needs_critic(self) -> bool:
@@ -142,15 +144,15 @@ class Trainer:
         if frozen:
             model.requires_grad_(False).eval()
         if self.world_size > 1:
-            dist.shard(model, self.device)
+            dist.shard(model, self.device, self.cfg.mixed_precision)
         return model
 
     def _modules(self) -> list[nn.Module]:
         return [m for m in (self.policy, self.critic) if m is not None]
 
     # ------------------------------------------------------------------ forward
-    def _logprobs(self, model: nn.Module, packed: Packed, entropy: bool = False, temperature: float | None = None):
-        """Per-token log-probs (and entropy) `[B, T]` of the response tokens, in fp32, at temperature T."""
+    def _logprobs(self, model: nn.Module, packed: Packed, entropy=False, temperature: float | None = None):
+        """Per-token log-probs (and entropy; its gradient only if entropy="grad") `[B, T]`, fp32, at temperature T."""
         logits = model(
             input_ids=packed.input_ids,
             position_ids=packed.position_ids,
@@ -159,7 +161,9 @@ class Trainer:
         ).logits[0]
         logp = torch.log_softmax(logits.float() / (temperature or self.temperature), dim=-1)
         lp = packed.scatter(logp.gather(-1, packed.targets[:, None]).squeeze(-1))
-        return lp, (packed.scatter(-(logp.exp() * logp).sum(-1)) if entropy else None)
+        with torch.set_grad_enabled(torch.is_grad_enabled() and entropy == "grad"):  # metric only: no [N, V] graph
+            ent = packed.scatter(-(logp.exp() * logp).sum(-1)) if entropy else None
+        return lp, ent
 
     def _values(self, packed: Packed) -> Tensor:
         return packed.scatter(self.critic(packed.input_ids, packed.position_ids, packed.flat_index))
@@ -219,9 +223,11 @@ class Trainer:
             m.eval()
         uses_ref = bool(self.kl_coef)
         if uses_ref or self.cfg.num_steps_per_rollout > 1:
-            batch.old_logprobs = self._per_token(batch, lambda p: self._logprobs(self.policy, p)[0])
+            with self._span("old-logprob"):
+                batch.old_logprobs = self._per_token(batch, lambda p: self._logprobs(self.policy, p)[0])
         if uses_ref:
-            batch.ref_logprobs = self._per_token(batch, self._ref_logprobs)
+            with self._span("ref-logprob"):
+                batch.ref_logprobs = self._per_token(batch, self._ref_logprobs)
         if self.critic is not None:
             batch.old_values = self._per_token(batch, self._values)
         kl = None  # per-token KL to the reference, folded into the reward when algo.kl_in_reward
@@ -236,6 +242,8 @@ class Trainer:
             kl=kl,
             advantage_fn=self.hooks.advantage_fn,
         )
+        tag = getattr(self.losses, "advantage_metrics", None)  # which estimator ran, under its own key
+        self.adv_metrics = tag(self.algo, batch.advantages, batch.returns, batch.mask) if tag else {}
         return batch
 
     def train_rollout(self, samples: list[Sample] | TrainBatch) -> dict[str, Any]:
@@ -256,6 +264,7 @@ class Trainer:
             )
         size = len(batch) // n
         metrics = [self.train_step(batch.select(list(range(i * size, (i + 1) * size)))) for i in range(n)]
+        metrics = [{**m, **self.adv_metrics} for m in metrics]
         return {"metrics": metrics, "span": (t0, time.time())} | (self._provenance(batch) if self.rank == 0 else {})
 
     def _provenance(self, batch: TrainBatch) -> dict[str, list[list[float]]]:
@@ -312,7 +321,8 @@ class Trainer:
         return {"total_tokens": float(batch.mask.sum()), "total_samples": float(samples)}
 
     def _policy_loss(self, sub: TrainBatch, packed: Packed, totals: dict[str, float]):
-        lp, ent = self._logprobs(self.policy, packed, entropy=True)
+        need = "grad" if self.algo.entropy_coef or self.hooks.loss_fn else True  # else entropy is a metric only
+        lp, ent = self._logprobs(self.policy, packed, entropy=need)
         t: dict[str, Any] = {k: v.to(self.device) for k, v in sub.loss_tensors().items()}
         t.update(totals, logprobs=lp, entropy=ent)
         if "old_logprobs" not in t:  # on-policy: this forward's log-probs are the old ones; keep them for provenance
@@ -350,7 +360,7 @@ class Trainer:
         return loss + self._values(packed).sum() * 0 if self.critic is not None else loss
 
     def _optimise(self, batch: TrainBatch, loss_fn: Callable) -> dict[str, float]:
-        plan = self._plan(batch.seq_lengths)
+        t_step, plan = time.perf_counter(), self._plan(batch.seq_lengths)
         totals = self._totals(batch)
         optimizers = [self.optimizer] + ([self.critic_optimizer] if self.critic is not None else [])
         for m in self._modules():
@@ -366,8 +376,9 @@ class Trainer:
                 self._dummy_loss().backward()
                 continue
             sub = batch.select(idx)
-            loss, metrics, own = loss_fn(sub, pack(sub.samples).to(self.device), totals)
-            (loss * self.world_size).backward()  # FSDP averages gradients over ranks; the loss is already a share
+            with self._span("forward-backward", micro_batch=j, tokens=sum(batch.seq_lengths[i] for i in idx)):
+                loss, metrics, own = loss_fn(sub, pack(sub.samples).to(self.device), totals)
+                (loss * self.world_size).backward()  # FSDP averages gradients over ranks; the loss is a share
             tokens = float(sub.mask.sum())
             sums["loss"] += float(loss.detach())
             sums["_tokens"] += tokens
@@ -381,6 +392,7 @@ class Trainer:
                 else:
                     sums[k] += float(v) * tokens
                     sums[f"_w/{k}"] += tokens
+        t_opt = time.time()  # the optimiser span: clip, metric reduction, the step (or its skip)
         grad_norm = self._clip(self.policy)
         lr = self.scheduler.get_last_lr()[0]
         out = {"grad_norm": grad_norm, "lr": lr}
@@ -407,11 +419,13 @@ class Trainer:
                 grad_norm,
                 self.nonfinite_streak,
             )
+        self._span("optimiser", start=t_opt, finite=finite)
         self.step += 1
         if finite and self.ref is not None and self.cfg.ref_update_every and self.step % self.cfg.ref_update_every == 0:
             with torch.no_grad():
                 for r, p in zip(self.ref.parameters(), self.policy.parameters()):
                     r.copy_(p)
+        out |= mfu.for_step(self.policy, self.dtype, self.device, sum(batch.seq_lengths), t_step)  # perf/mfu
         return out | {
             "step": float(self.step),
             "nonfinite/skipped": float(not finite),
@@ -463,7 +477,16 @@ class Trainer:
             "critic": self.critic is not None,
             "temperature": self.temperature,
         }
-        return checkpoint.save(path, self._parts(), rank_state, meta, self.model_dir)
+        with self._span("checkpoint-save"):
+            return checkpoint.save(path, self._parts(), rank_state, meta, self.model_dir)
+
+    def _span(self, phase: str, start: float | None = None, **attrs: Any) -> Any:
+        """A span of this rank's timeline lane (`furlong.core.spans`; the driver pulls them each step): a
+        context manager, or with `start` the span from then to now, recorded at once."""
+        lane, index = f"trainer/{self.rank}", self.device.index if self.device.index is not None else self.rank
+        if start is not None:
+            return spans.record(lane, phase, start, time.time(), device=f"{self.device.type}:{index}", **attrs)
+        return spans.span(lane, phase, device=f"{self.device.type}:{index}", **attrs)
 
     def load(self, path: str | Path) -> None:
         """Restore the state `save` wrote; the trainer must be built with the same model and LoRA settings."""

@@ -95,7 +95,13 @@ class Sender:
         verify: bool = False,
         rank: int | None = None,
         world_size: int | None = None,
+        engine_api: str = "furlong",
     ):
+        """`engine_api`: whose request shapes the engines take: `furlong` (the built-in engine) or `sglang`,
+        whose weight-update requests carry `weight_version` as a string (its io_struct: Optional[str])."""
+        if engine_api not in ("furlong", "sglang"):
+            raise ValueError(f"engine_api: {engine_api!r} is not furlong or sglang")
+        self.engine_api = engine_api
         if bucket_mb <= 0:
             raise ValueError(f"bucket_mb: must be positive, got {bucket_mb}")
         initialized = dist.is_available() and dist.is_initialized()
@@ -217,9 +223,13 @@ class Sender:
         The engine's current version goes on every other request (see the module docstring);
         a failure is recorded in the report, not raised, so the other engines carry on.
         """
+        stamp = str if self.engine_api == "sglang" else (lambda v: v)
         return {
             u: self._lanes[u].submit(
-                self._lane_post, u, request, {**body, "weight_version": self._new_version if last else self._current[u]}
+                self._lane_post,
+                u,
+                request,
+                {**body, "weight_version": stamp(self._new_version if last else self._current[u])},
             )
             for u in self.urls
         }

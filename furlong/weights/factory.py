@@ -11,6 +11,7 @@ from typing import Any
 
 from furlong.weights.base import Sender, WeightSender
 from furlong.weights.broadcast import BroadcastSender
+from furlong.weights.cuda_ipc import CudaIpcSender
 from furlong.weights.disk import DiskSender
 from furlong.weights.p2p import P2PSender
 from furlong.weights.shm import DeltaSender, ShmSender
@@ -21,6 +22,7 @@ SENDERS: dict[str, type[Sender]] = {
     "p2p": P2PSender,
     "disk": DiskSender,
     "delta": DeltaSender,
+    "cuda_ipc": CudaIpcSender,
 }
 TRANSPORTS = tuple(SENDERS)
 

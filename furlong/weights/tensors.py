@@ -84,6 +84,12 @@ def shm_views(handle: dict[str, Any]) -> Iterator[dict[str, torch.Tensor]]:
     """
     if not isinstance(handle, dict):
         raise ValueError("shm: must be an object with shm_name and tensors")
+    if "cuda_ipc" in handle:  # a GPU bucket (weights.transport=cuda_ipc): the same views, of the sender's GPU memory
+        from furlong.weights.cuda_ipc import views
+
+        with views(handle) as out:
+            yield out
+        return
     name = handle.get("shm_name")
     if not isinstance(name, str) or not name:
         raise ValueError("shm_name: required string")

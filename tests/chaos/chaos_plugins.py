@@ -75,6 +75,16 @@ def varied_reward(sample: Any) -> float:
     return (sum(sample.tokens[-sample.response_length :]) % 7) / 7
 
 
+async def patient_reward(sample: Any) -> float:
+    """`varied_reward`, once no engine is being restarted: the run cannot end before a replacement is done."""
+    from furlong.cluster.supervisor import RESTARTING
+
+    sup = STATE["run"].supervisor
+    while any(s.state == RESTARTING for s in sup.slots):
+        await asyncio.sleep(0.05)
+    return varied_reward(sample)
+
+
 async def trainer_killing_reward(sample: Any) -> float:
     """`varied_reward`; while RL step 2 is generated (checkpoint step_2 is complete), SIGKILL the trainer once."""
     run = STATE["run"]

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import chaos_plugins
 import pytest
-from chaos_run import chaos_config, run
+from chaos_run import assert_each_group_trained_once, chaos_config, record, run
 
 pytestmark = pytest.mark.slow  # one real run with four engine restarts: over a minute on 2 cores
 
@@ -38,14 +38,8 @@ def chaos_run(tmp_path_factory):
         chaos_plugins.reset(r, PLAN)
 
     result = run(cfg, arm)
-    print(
-        "\nchaos figures:",
-        {
-            "injected": chaos_plugins.STATE["injected"],
-            "supervisor": result["supervisor"],
-            "rollout": result["rollout_stats"],
-        },
-    )
+    result["run_dir"] = run_dir
+    record("engines", result, injected=[i[:2] for i in chaos_plugins.STATE["injected"]])
     return result
 
 
@@ -83,6 +77,8 @@ def test_every_prompt_is_trained_filtered_with_a_reason_or_buffered(chaos_run):
     assert stats["samples_trained"] == STEPS * BATCH * N
     assert stats["prompts_taken"] == stats["groups_trained"] + sum(stats["filtered"].values()) + stats["in_buffer"]
     assert set(stats["filtered"]) <= {"reward_error", "failed", "stale"}, stats["filtered"]
+    # and group by group: no group trained twice, none with a sample missing or repeated by a retry
+    assert_each_group_trained_once(chaos_run["run_dir"], STEPS * BATCH, N)
 
 
 def test_a_raising_reward_fails_its_samples_with_the_error_and_is_counted(chaos_run):

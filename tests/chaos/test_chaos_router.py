@@ -11,7 +11,7 @@ import os
 import signal
 
 import pytest
-from chaos_run import chaos_config, metrics, run
+from chaos_run import chaos_config, metrics, record, run
 
 STEPS = 4
 
@@ -36,6 +36,7 @@ def test_a_sigkilled_router_is_restarted_on_its_port_and_the_run_finishes(tmp_pa
         seen["new_url"] = r.top.router_url
 
     result = run(cfg, kill_router)
+    record("router", result, injected=[f"SIGKILL router at step {seen['at_step']}"])
     assert result["steps"] == STEPS and seen["at_step"] < STEPS
     assert seen["new_pid"] != seen["pid"] and seen["new_url"] == seen["url"]  # a new process, the same address
     sup = result["supervisor"]

@@ -40,20 +40,34 @@ SCRATCH = tempfile.mkdtemp(prefix="furlong-boundary-")  # this user's own files,
 def run(code):
     return asyncio.run(BOX.run(code))
 
+# A child subreaper: a process the sandbox starts that leaves its session (setsid, double fork) is
+# re-parented to this client rather than to init, so "what is left" is this client's descendants,
+# whatever else runs on the machine (other tests, the user's own programs).
+import ctypes
+ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER
+
 def mine():
-    '''Live processes of this user other than this one (zombies excluded).'''
-    out = set()
+    '''Live descendants of this process (zombies excluded): everything the sandbox runs, escaped or not.'''
+    kids, live = {}, set()
     for p in os.listdir("/proc"):
         try:
-            if p.isdigit() and int(p) != os.getpid() and os.stat(f"/proc/{p}").st_uid == os.getuid():
-                if open(f"/proc/{p}/stat").read().rsplit(")", 1)[1].split()[0] not in "ZX":
-                    out.add(int(p))
-        except OSError:
+            if p.isdigit():
+                fields = open(f"/proc/{p}/stat").read().rsplit(")", 1)[1].split()
+                kids.setdefault(int(fields[1]), []).append(int(p))
+                if fields[0] not in "ZX":
+                    live.add(int(p))
+        except (OSError, IndexError):
             pass
-    return out
+    out, todo = set(), [os.getpid()]
+    while todo:
+        for c in kids.get(todo.pop(), []):
+            if c not in out:
+                out.add(c)
+                todo.append(c)
+    return out & live
 
 def settled(before):
-    '''This user's new processes once SIGKILL has been delivered (waits for delivery, no threshold).'''
+    '''New descendants left once SIGKILL has been delivered (waits for delivery, no threshold).'''
     for _ in range(100):
         left = mine() - before
         if not left:

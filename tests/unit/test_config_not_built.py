@@ -12,8 +12,6 @@ from furlong.train.batch import TrainBatch
         ("engine.quantization=fp8", "engine.quantization"),
         ("rollout.routing_replay=true", "rollout.routing_replay"),
         ("rollout.rollout_fn=furlong.rollout.generate:generate", "rollout.rollout_fn"),
-        ("algo.teacher_path=.", "algo.teacher_path"),
-        ("algo.name=distill", "algo.name"),
     ],
 )
 def test_unbuilt_feature_is_refused(override, field):
@@ -25,6 +23,16 @@ def test_distill_names_the_teacher_it_lacks():
     with pytest.raises(ConfigError) as e:
         load_config(None, ["algo.name=distill"])
     assert {"algo.name", "algo.teacher_path"} <= set(e.value.fields)
+
+
+def test_distill_is_built_and_accepted_with_a_teacher(tmp_path):
+    """`algo.name=distill` and `algo.teacher_path` were refused here until a teacher engine scored samples
+    (rollout/teacher.py, driver/run.py); a teacher path without distillation is still refused, naming both."""
+    cfg = load_config(None, ["algo.name=distill", f"algo.teacher_path={tmp_path}"])
+    assert (cfg.algo.name, cfg.algo.teacher_path, cfg.algo.advantage) == ("distill", str(tmp_path), "none")
+    with pytest.raises(ConfigError) as e:
+        load_config(None, [f"algo.teacher_path={tmp_path}"])
+    assert {"algo.teacher_path", "algo.name"} <= set(e.value.fields)
 
 
 def test_convert_fn_is_built_and_accepted():

@@ -169,7 +169,10 @@ def test_every_engine_given_up_stops_the_guarded_work_at_once_naming_them_and_th
             assert all(s.state == FAILED for s in sup.slots)
             msg = str(err.value)
             for i, e in enumerate(engines):
-                assert f"engine-{i} ({e.url}) failed" in msg and str(tmp_path / "logs" / f"engine-{i}.log") in msg
+                assert (
+                    f"engine-{i} ({e.url}) given up after 3 failed restarts" in msg
+                    and str(tmp_path / "logs" / f"engine-{i}.log") in msg
+                )
             assert "none of them can come back" in msg and "the process exited" in msg
         finally:
             await sup.stop()
@@ -225,7 +228,10 @@ def test_a_router_that_cannot_restart_stops_the_run(tmp_path):
             with pytest.raises(EnginesLost) as err:
                 await sup.guard(asyncio.sleep(3600))
             msg = str(err.value)
-            assert f"router ({router.url}) failed" in msg and str(tmp_path / "logs" / "router.log") in msg
+            assert (
+                f"router ({router.url}) given up after 3 failed restarts" in msg
+                and str(tmp_path / "logs" / "router.log") in msg
+            )
             assert sup.counts["router_restart_failures"] == 3
         finally:
             await sup.stop()

@@ -9,6 +9,7 @@ from tools.claims.evidence import JUNIT, read_junit
 from tools.claims.figures import check_counts, check_perf
 from tools.claims.links import check_links
 from tools.claims.manifest import README, check_features, check_status_markers, check_tables, load
+from tools.claims.prose import check_prose
 
 
 def markdown_files(root: Path) -> list[Path]:
@@ -55,6 +56,7 @@ def run_checks(
     if not any(p.path == "docs/features.yaml" and p.line <= 1 for p in found):  # a manifest was read
         problems += check_tables(root, features)
         problems += check_status_markers(root, features, files)
+        problems += check_prose(root, features, files, cases)
     if references:
         problems += check_references(root)
     return sorted(set(problems))

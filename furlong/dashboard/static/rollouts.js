@@ -35,7 +35,7 @@
       "data-sort": key, class: ["reward", "staleness", "response_length", "trained_tokens", "id", "step", "idx", "grp"].includes(key) ? "num" : "",
       onclick: () => go({ ...p, sort: key, order: sort === key && order === "asc" ? "desc" : "asc", offset: "" }),
     }, label + (sort === key ? (order === "asc" ? " ▲" : " ▼") : ""))), h("th", {}, "prompt"), h("th", {}, "response"));
-    const rows = d.rows.map((r) => h("tr", { class: "sample-row", "data-id": r.id, "data-reward": r.reward ?? "", "data-staleness": r.staleness ?? "", "data-status": r.status, onclick: () => { location.hash = `#/sample/${r.id}`; } },
+    const rows = d.rows.map((r) => h("tr", { class: "sample-row", "data-id": r.id, "data-step": r.step, "data-reward": r.reward ?? "", "data-staleness": r.staleness ?? "", "data-status": r.status, onclick: () => { location.hash = `#/sample/${r.id}`; } },
       h("td", { class: "num", text: r.id }), h("td", { class: "num", text: r.step }), h("td", { class: "num", text: r.idx }), h("td", { class: "num", text: r.grp }),
       h("td", { class: "num", text: F.fmt(r.reward) }), h("td", {}, h("span", { class: `badge st-${r.status}`, title: r.status_reason || "" }, r.status)),
       h("td", { class: "num", text: F.fmt(r.staleness) }), h("td", { class: "num", text: r.response_length }), h("td", { class: "num", text: r.trained_tokens }),

@@ -69,6 +69,9 @@
           const dur = sp.end - sp.start;
           const r = s("rect", { class: "span", x, y: y + 3, width: w, height: LANE_H - 7, rx: 2, fill: F.PHASE_COLORS[sp.phase] || "#999", "data-phase": sp.phase, "data-step": sp.step },
             s("title", {}, `${lane.worker} · ${sp.phase} · step ${sp.step} · ${dur.toFixed(3)}s`));
+          // A span links to the samples it produced: its step's rollouts (its group's, when it names one).
+          const link = sp.step === null || sp.step === undefined ? null : `#/rollouts?step=${sp.step}${sp.attrs && sp.attrs.group !== undefined ? "&group=" + sp.attrs.group : ""}`;
+          if (link) { r.style.cursor = "pointer"; r.addEventListener("click", () => { if (!moved) location.hash = link; }); }
           r.addEventListener("mouseenter", () => { info.textContent = `${lane.worker} (${lane.devices.join(",")}) · ${sp.phase} · step ${sp.step} · ${dur.toFixed(3)}s${sp.attrs ? " · " + JSON.stringify(sp.attrs) : ""}`; });
           g.append(r);
         }
@@ -83,11 +86,13 @@
       scale(e.deltaY < 0 ? 0.8 : 1.25, c);
     }, { passive: false });
     let drag = null;
-    svg.addEventListener("mousedown", (e) => { drag = { x: e.clientX, domain: zoom.domain || full }; });
+    let moved = false;  // a drag that panned is not a click on a span
+    svg.addEventListener("mousedown", (e) => { moved = false; drag = { x: e.clientX, domain: zoom.domain || full }; });
     window.addEventListener("mouseup", () => { drag = null; });
     svg.addEventListener("mousemove", (e) => {
       if (!drag) return;
       const [a, b] = drag.domain;
+      if (Math.abs(e.clientX - drag.x) > 2) moved = true;
       const dt = ((e.clientX - drag.x) / (width - LABEL_W - 8)) * (b - a);
       zoom.domain = [a - dt, b - dt];
       draw();

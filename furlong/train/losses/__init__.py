@@ -4,7 +4,7 @@ corrections and reducers, as pure functions; `objective` ties them to an `AlgoCo
 from furlong.train.losses.advantages import ADVANTAGE_ESTIMATORS, AdvantageFn
 from furlong.train.losses.corrections import CORRECTIONS, Correction, CorrectionFn
 from furlong.train.losses.kl import kl_estimate, token_entropy
-from furlong.train.losses.objective import compute_advantages, compute_policy_objective
+from furlong.train.losses.objective import advantage_metrics, compute_advantages, compute_policy_objective
 from furlong.train.losses.policy import POLICY_LOSSES, LossFn
 from furlong.train.losses.reducers import REDUCERS, ReducerFn
 from furlong.train.losses.sft import sft_loss
@@ -19,6 +19,7 @@ __all__ = [
     "CorrectionFn",
     "LossFn",
     "ReducerFn",
+    "advantage_metrics",
     "compute_advantages",
     "compute_policy_objective",
     "kl_estimate",

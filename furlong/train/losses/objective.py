@@ -102,6 +102,23 @@ def compute_advantages(
         return fn(algo, rewards, group_index, mask, values, kl)
 
 
+def advantage_metrics(algo: AlgoConfig, advantages: Tensor, returns: Tensor | None, mask: Tensor) -> dict[str, float]:
+    """What the estimator produced, under a key naming it: `advantage/<algo.advantage>/abs_mean` (and
+    `.../std`, `.../returns_mean` for token-level estimators), so a run's metrics say which estimator ran.
+
+    A zero `abs_mean` means every group agreed (nothing to learn from the batch)."""
+    m = mask.to(advantages.dtype)
+    name = f"advantage/{algo.advantage}"
+    mean = masked_mean(advantages, m)
+    out = {
+        f"{name}/abs_mean": masked_mean(advantages.abs(), m).item(),
+        f"{name}/std": masked_mean((advantages - mean) ** 2, m).sqrt().item(),
+    }
+    if returns is not None:
+        out[f"{name}/returns_mean"] = masked_mean(returns.to(m.dtype), m).item()
+    return out
+
+
 def compute_policy_objective(
     algo: AlgoConfig,
     tensors: Mapping[str, Any],

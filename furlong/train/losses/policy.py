@@ -95,7 +95,29 @@ def ppo_clip_loss(
 ) -> tuple[Tensor, dict[str, float]]:
     """The registered `ppo_clip` loss: `log_ratio` per `algo.ratio_type`, then `ppo_clip` with algo's bounds."""
     log_r = log_ratio(logprobs, old_logprobs, mask, algo.ratio_type, algo.log_ratio_clamp)
-    return ppo_clip(log_r, advantages.detach(), mask, algo.clip_eps_low, algo.clip_eps_high, algo.dual_clip_c)
+    loss, metrics = ppo_clip(log_r, advantages.detach(), mask, algo.clip_eps_low, algo.clip_eps_high, algo.dual_clip_c)
+    if algo.ratio_type == "sequence":  # GSPO alone logs these: the ratio it clips is one number per sequence
+        metrics.update(sequence_ratio_metrics(log_r, mask, algo.clip_eps_low, algo.clip_eps_high))
+    return loss, metrics
+
+
+def sequence_ratio_metrics(log_r: Tensor, mask: Tensor, eps_low: float, eps_high: float) -> dict[str, float]:
+    """policy/seq_ratio_mean, policy/seq_ratio_max and policy/seq_clip_frac over the sequences that have tokens.
+
+    With a sequence-level ratio every trained token of a row carries the same value, log s_i; a
+    sequence is clipped when s_i leaves [1 - eps_low, 1 + eps_high] (GSPO's bounds are ~1e-4 wide).
+    """
+    with torch.no_grad():
+        rows = mask.sum(1) > 0
+        if not rows.any():
+            return {"policy/seq_ratio_mean": 1.0, "policy/seq_ratio_max": 1.0, "policy/seq_clip_frac": 0.0}
+        s = torch.exp(masked_sum(log_r.detach(), mask, dim=1) / mask.sum(1).clamp_min(1.0))[rows]
+        out = ((s < 1.0 - eps_low) | (s > 1.0 + eps_high)).to(s.dtype)
+        return {
+            "policy/seq_ratio_mean": s.mean().item(),
+            "policy/seq_ratio_max": s.max().item(),
+            "policy/seq_clip_frac": out.mean().item(),
+        }
 
 
 POLICY_LOSSES: dict[str, LossFn] = {"ppo_clip": ppo_clip_loss}

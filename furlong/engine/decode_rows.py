@@ -1,0 +1,85 @@
+"""Persistent per-request KV rows for decode attention.
+
+Why: attention over the paged pool needs every block of every decoding sequence
+gathered into one contiguous tensor, every layer, every step — at 32 sequences of
+~100 tokens that is tens of MB of copies per step. So each running request keeps a
+*row* of its own, [kv, cap, hd] per layer, extended by one token per step (the pool
+still receives every token: it stays the truth for prefix reuse and preemption).
+
+The rows persist across changes of the decoding set: a request that joins gets a
+free row filled from the pool (its own blocks only), one that finishes frees its
+row, and the rows in use are kept packed into [0, D) by moving (refilling) at most
+one row per departed request, so attention always reads the in-place view
+`k[:D, :, :L]` — no rebuild of the whole view when anyone joins or leaves, which in
+real traffic (requests finishing at different lengths) is nearly every step.
+Growth (more rows, or a longer context than `cap`) copies the storage once, doubling.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class DecodeRows:
+    def __init__(self, n_layers: int, n_kv: int, head_dim: int, dtype: torch.dtype):
+        self.n_layers, self.n_kv, self.head_dim, self.dtype = n_layers, n_kv, head_dim, dtype
+        self.k: list[torch.Tensor] = []
+        self.v: list[torch.Tensor] = []
+        self.row_of: dict[int, int] = {}  # request serial -> its row
+        self.lens: list[int] = []  # per row: tokens written
+
+    @property
+    def rows(self) -> int:
+        return self.k[0].shape[0] if self.k else 0
+
+    @property
+    def cap(self) -> int:
+        return self.k[0].shape[2] if self.k else 0
+
+    def _reserve(self, D: int, L: int) -> None:
+        """Make room for D rows of L tokens, copying what is stored when it must grow."""
+        if D <= self.rows and L <= self.cap:
+            return
+        R = max(D, 2 * self.rows) if D > self.rows else self.rows
+        cap = L + max(L, 64) if L > self.cap else self.cap
+        # Zeros, not empty: a shorter row's masked tail is still multiplied (by a zero weight), and
+        # uninitialised memory may hold NaN.
+        shape = (R, self.n_kv, cap, self.head_dim)
+        old_k, old_v, r0, c0 = self.k, self.v, self.rows, self.cap
+        self.k = [torch.zeros(shape, dtype=self.dtype) for _ in range(self.n_layers)]
+        self.v = [torch.zeros(shape, dtype=self.dtype) for _ in range(self.n_layers)]
+        for new, old in zip(self.k + self.v, old_k + old_v):
+            new[:r0, :, :c0] = old
+        self.lens += [0] * (R - r0)
+
+    def assign(self, keys: tuple[int, ...], lens: list[int]) -> tuple[torch.Tensor, list[int], list[int]]:
+        """Rows for this step's decoding sequences (batch order), all in [0, D).
+
+        Returns (row of each sequence, batch indices to fill from the pool, their rows). A sequence
+        keeps its row when it is in [0, D) and its length follows on from the last step; any other
+        (new, moved, or not following on) is filled from the pool this step.
+        """
+        D = len(keys)
+        self._reserve(D, max(lens))
+        keep = {}
+        for i, key in enumerate(keys):
+            r = self.row_of.get(key)
+            if r is not None and r < D and self.lens[r] + 1 == lens[i]:
+                keep[i] = r
+        taken = set(keep.values())
+        free = iter(r for r in range(D) if r not in taken)
+        rows, fill_i, fill_r = [], [], []
+        for i in range(D):
+            r = keep.get(i)
+            if r is None:
+                r = next(free)
+                fill_i.append(i)
+                fill_r.append(r)
+            rows.append(r)
+        self.row_of = {key: rows[i] for i, key in enumerate(keys)}
+        return torch.tensor(rows), fill_i, fill_r
+
+    def commit(self, rows: torch.Tensor, lens: list[int]) -> None:
+        """Record the lengths written this step (only after the forward completed)."""
+        for r, n in zip(rows.tolist(), lens):
+            self.lens[r] = n
