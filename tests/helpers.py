@@ -73,3 +73,18 @@ def cmdlines_with(secret: str) -> list[str]:
             text = cmd.replace(b"\0", b" ").decode(errors="replace")
             found.append(f"{p}: {text[:160]}")
     return found
+
+
+def processes_left(token: str, session_dir: str) -> list[str]:
+    """Processes handed `token` (engines, router) or holding a file in the Ray session `session_dir` (Ray's own):
+    what a finished run must not leave behind."""
+    left = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            cmd = cmdline(pid).replace(b"\0", b" ").decode(errors="replace")
+            fds = [os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")]
+        except OSError:
+            continue
+        if holds_token(pid, token) or any(f.startswith(session_dir + "/") for f in fds):
+            left.append(f"{pid}: {cmd[:120]}")
+    return left

@@ -58,6 +58,7 @@ def init_ray(cluster: ClusterConfig, bundles: int) -> None:
         os.environ[REAPER_MARK] = mark = reaper_mark()
         try:
             ctx = ray.init(
+                address="local",  # a Ray of our own even when `ray start` (or RAY_ADDRESS) left one running
                 num_cpus=cpus,
                 num_gpus=cluster.num_gpus,
                 include_dashboard=False,

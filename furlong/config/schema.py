@@ -130,6 +130,9 @@ class RolloutConfig(Section):
     max_new_tokens: int = Field(64, ge=1)  # response budget per sample (all turns together)
     stop: list[str] = Field(default_factory=list)  # stop strings
     dynamic_filter: bool = False  # drop groups whose rewards all agree (zero advantage)
+    # Groups dropped in a row (by the filters, any reason), in batches' worth, before the run stops with an error
+    # naming the reasons: a saturated reward under dynamic sampling would otherwise draw prompts forever.
+    max_dropped_batches: int = Field(10, ge=1)
     max_turns: int = Field(1, ge=1)
     routing_replay: bool = False  # R3: record MoE routing in rollout, replay it in training
     eval_every: int = Field(0, ge=0)  # steps; 0 = never

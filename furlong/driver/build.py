@@ -109,16 +109,9 @@ def start_ray(cfg: Config) -> None:
 
 def topology(cfg: Config, run_dir: Path, model: str, admin_token: str, plugs: dict[str, Any]) -> Topology:
     """Trainer ranks, engines and router, started and ready (blocking: the driver runs it in a thread)."""
-    from furlong.cluster.topology import Topology, TrainerSpec, threads_per_process
+    from furlong.cluster.topology import Topology, threads_per_process
 
-    spec = TrainerSpec(
-        model_dir=model,
-        train=cfg.train,
-        algo=cfg.algo,
-        temperature=cfg.rollout.temperature,
-        seed=cfg.seed,
-        hooks=trainer_hooks(plugs),
-    )
+    spec = trainer_spec(cfg, model, plugs)
     threads = threads_per_process(cfg.cluster, cfg.train.world_size, cfg.engine.num_engines, cfg.rollout.mode)
     return Topology.start(
         cluster=cfg.cluster,

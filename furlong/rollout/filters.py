@@ -22,11 +22,14 @@ from __future__ import annotations
 import time
 from collections import Counter
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from furlong.core import spans
 from furlong.core.sample import Sample, Status
 from furlong.rollout.rewards import call
+
+if TYPE_CHECKING:
+    from furlong.config.schema import RolloutConfig
 
 
 def zero_variance(samples: list[Sample]) -> str | None:
@@ -74,3 +77,24 @@ async def apply_sample_filter(samples: list[Sample], sample_filter_fn: Callable[
             counts[reason] += 1
     spans.record("driver", "filter", t0, time.time(), merge=True, samples=len(samples))
     return counts
+
+
+class RolloutStalled(RuntimeError):
+    """Every group drawn for `rollout.max_dropped_batches` batches in a row was dropped: no batch can be made."""
+
+
+def check_stalled(dropped: Counter[str], config: RolloutConfig, step: int, accepted: int) -> None:
+    """Stop, naming why, once `rollout.max_dropped_batches` batches' worth of groups in a row were dropped.
+
+    Why: dynamic sampling (and any drop filter) draws new prompts for each group it drops; once the reward
+    saturates, every group agrees and a batch never fills. verl bounds the same loop (`max_num_gen_batches`).
+    """
+    limit = config.max_dropped_batches * config.rollout_batch_size
+    if sum(dropped.values()) >= limit:
+        reasons = ", ".join(f"{n} {r}" for r, n in dropped.most_common())
+        raise RolloutStalled(
+            f"step {step}: the last {limit} groups drawn were all dropped ({reasons}; {accepted} of "
+            f"{config.rollout_batch_size} accepted): rollout.max_dropped_batches={config.max_dropped_batches}. "
+            "With zero_variance the reward has saturated (every group agrees): the run has learned what this "
+            "reward can teach, or its learning rate is too high"
+        )

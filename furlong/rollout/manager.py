@@ -30,9 +30,11 @@ timing, so async with `max_staleness=0` trains exactly the samples sync does.
 
 Per-sample backfill: a group is finished when all its samples are; a sample the
 engine failed (transport errors past the client's retries, a bad response) is
-generated again alone, up to `max_sample_attempts`, then the group is dropped as
-`failed`. An aborted sample is resumed from its tokens so far when
-`partial_rollout` is on (and its tokens are still fresh enough), else restarted.
+generated again alone, up to `max_sample_attempts` (a failure during an outage, when
+nothing can serve, is waited out and not counted), then the group is dropped as `failed`.
+An aborted sample is resumed from its tokens so far when `partial_rollout` is on (and its
+tokens are still fresh enough), else restarted. Groups dropped `max_dropped_batches`
+batches' worth in a row stop the run with the reasons (`filters.check_stalled`).
 
 Partial rollout: `before_weight_sync()` stops new requests and aborts this manager's
 requests in flight; the engine returns the tokens generated so far, and after
@@ -40,11 +42,9 @@ requests in flight; the engine returns the tokens generated so far, and after
 `token_versions` show the mix of versions. Without it, requests in flight carry on
 through the sync (the driver pauses the engines in retract or in_place mode).
 
-Plug points arrive as functions (PLUG_ARGS): the composition root loads the config's
-dotted paths once, at start, and checks them against the registry's protocols, so
-the manager imports nothing above its floor (a black-box `rollout.agent_fn` comes as
-the generate function that runs it) and a path it was not handed is an error, never
-a knob that silently does nothing.
+Plug points arrive as functions (PLUG_ARGS), loaded and checked once by the composition
+root, so the manager imports nothing above its floor (a black-box `rollout.agent_fn`
+comes as the generate function that runs it) and a path it was not handed is an error.
 
 Accounting: every prompt taken is trained, filtered with a reason, or still in the
 buffer — `stats()["balanced"]` checks `prompts_taken == groups_trained +
@@ -68,7 +68,7 @@ from furlong.core.version import WeightVersion
 from furlong.data.chat import encode_prompt
 from furlong.rollout.buffer import TERMINAL, Group, GroupBuffer
 from furlong.rollout.eval import evaluate
-from furlong.rollout.filters import apply_sample_filter, group_drop_reason, zero_variance
+from furlong.rollout.filters import apply_sample_filter, check_stalled, group_drop_reason, zero_variance
 from furlong.rollout.generate import RolloutContext, derive_seed, generate, reset_response
 from furlong.rollout.plugs import PLUG_ARGS, RolloutExhausted, check_given
 from furlong.rollout.rewards import SCORABLE, call, score_group, score_sample, task_reward
@@ -108,9 +108,7 @@ class RolloutManager:
     ):
         """`weights`: the run's weight-version owner (the driver's); without one the manager keeps its own,
         starting at `initial_version`. `reward_post_fn` reshapes each whole batch's rewards before training.
-        `serving`: after a failed generate, waits while nothing can serve (the supervisor's `wait_serving`,
-        True when it waited): a failure during an outage is retried without counting as one of the sample's
-        `max_sample_attempts`, so an outage delays prompts instead of dropping them.
+        `serving`: the supervisor's `wait_serving` (True when it had to wait): an outage delays prompts.
 
         The plug points come as functions (see PLUG_ARGS), each None for the built-in: `generate`, the
         task's reward, `zero_variance` when `dynamic_filter` is on, the built-in eval, `GroupBuffer`.
@@ -180,6 +178,7 @@ class RolloutManager:
         if self.mode == "async" and self._producer is None:
             self._producer = asyncio.create_task(self._produce())
         B, accepted = self.config.rollout_batch_size, []
+        dropped: Counter[str] = Counter()  # groups dropped since the last one accepted, by reason
         while len(accepted) < B:
             if self.mode != "async":
                 self._fill(math.ceil((B - len(accepted)) * self.config.over_sampling))
@@ -200,9 +199,12 @@ class RolloutManager:
             reason = await group_drop_reason(group.samples, self.dynamic_filter_fn)
             if reason is not None:
                 self._filtered[reason] += 1
+                dropped[reason] += 1
+                check_stalled(dropped, self.config, step, len(accepted))
                 continue
             self._masked.update(await apply_sample_filter(group.samples, self.sample_filter_fn))
             accepted.append(group)
+            dropped.clear()
         if self.mode == "sync":
             await self._stop_generation(cancel=True)
         elif self.mode == "overlap":

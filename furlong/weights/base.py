@@ -46,6 +46,7 @@ from furlong.core.client import EngineControl, EngineError
 from furlong.weights.checksums import compare
 from furlong.weights.report import EngineResult, SyncReport, WeightSyncError
 from furlong.weights.schema import Schema, check_against, engine_schema
+from furlong.weights.tensors import dtype_name
 
 
 class WeightSender(Protocol):
@@ -60,6 +61,19 @@ class WeightSender(Protocol):
 
 def nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
+
+
+def layout(group: list[tuple[str, torch.Tensor]], align: int) -> tuple[list[dict[str, Any]], int]:
+    """Where each tensor of a bucket goes in one flat buffer: its spec (name, dtype, shape, offset, nbytes)
+    and the buffer's size, every offset a multiple of `align` (what the transport's memory needs)."""
+    specs, offset = [], 0
+    for name, t in group:
+        n = nbytes(t)
+        specs.append(
+            {"name": name, "dtype": dtype_name(t.dtype), "shape": list(t.shape), "offset": offset, "nbytes": n}
+        )
+        offset += -(-n // align) * align
+    return specs, offset
 
 
 def buckets(items: list[tuple[str, torch.Tensor]], bucket_bytes: int) -> list[list[tuple[str, torch.Tensor]]]:

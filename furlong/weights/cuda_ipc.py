@@ -31,9 +31,9 @@ from typing import Any
 import torch
 
 from furlong.core.client import EngineControl
-from furlong.weights.base import Sender, buckets, nbytes
+from furlong.weights.base import Sender, buckets, layout, nbytes
 from furlong.weights.report import SyncReport
-from furlong.weights.tensors import dtype_name, parse_dtype
+from furlong.weights.tensors import parse_dtype
 
 KEY = "cuda_ipc"
 ALIGN = 256  # CUDA allocations are 256-byte aligned; so is every tensor in a bucket
@@ -44,13 +44,7 @@ INT_FIELDS = ("device", "tensor_offset", "size_bytes", "offset_bytes", "ref_coun
 
 def pack(group: list[tuple[str, torch.Tensor]], device: torch.device) -> tuple[torch.Tensor, list[dict[str, Any]]]:
     """One flat uint8 buffer on `device` holding every tensor of `group`, and the specs that locate them."""
-    specs, offset = [], 0
-    for name, t in group:
-        n = nbytes(t)
-        specs.append(
-            {"name": name, "dtype": dtype_name(t.dtype), "shape": list(t.shape), "offset": offset, "nbytes": n}
-        )
-        offset += -(-n // ALIGN) * ALIGN
+    specs, offset = layout(group, ALIGN)
     flat = torch.empty(max(offset, 1), dtype=torch.uint8, device=device)
     for spec, (_, t) in zip(specs, group):
         if spec["nbytes"]:

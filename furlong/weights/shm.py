@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from furlong.core.client import EngineControl
-from furlong.weights.base import Sender, buckets, nbytes
+from furlong.weights.base import Sender, buckets, layout, nbytes
 from furlong.weights.checksums import VerifyUnsupported, engine_checksums
 from furlong.weights.report import SyncReport
 from furlong.weights.tensors import checksum, dtype_name, tensor_bytes
@@ -53,13 +53,7 @@ def write_segment(
     touched), so any free segment fits any later bucket. With `crcs` (name →
     CRC32 of the tensor's bytes) every spec carries its checksum for the engine to verify.
     """
-    specs, offset = [], 0
-    for name, t in group:
-        n = nbytes(t)
-        specs.append(
-            {"name": name, "dtype": dtype_name(t.dtype), "shape": list(t.shape), "offset": offset, "nbytes": n}
-        )
-        offset += -(-n // ALIGN) * ALIGN
+    specs, offset = layout(group, ALIGN)
     seg = next((s for s in free if s.size >= offset), None)
     if seg is not None:
         free.remove(seg)

@@ -19,24 +19,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import holds_token
+from tests.helpers import processes_left
 
 ROOT = Path(__file__).resolve().parents[2]
 TOKEN = "multinode-test-token"
-
-
-def _left(session_dir: str) -> list[str]:
-    """Processes handed this module's token (engine, router) or holding a file in the cluster's session (Ray's)."""
-    left = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-            fds = [os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")]
-        except OSError:
-            continue
-        if holds_token(pid, TOKEN) or any(f.startswith(session_dir + "/") for f in fds):
-            left.append(f"{pid}: {cmd[:120]}")
-    return left
 
 
 @pytest.fixture()
@@ -60,9 +46,9 @@ def two_nodes():
         ray.shutdown()
         cluster.shutdown()
     deadline = time.monotonic() + 20
-    while _left(session_dir) and time.monotonic() < deadline:
+    while processes_left(TOKEN, session_dir) and time.monotonic() < deadline:
         time.sleep(0.5)
-    assert not _left(session_dir), _left(session_dir)
+    assert not processes_left(TOKEN, session_dir), processes_left(TOKEN, session_dir)
 
 
 @pytest.mark.timeout(300)

@@ -14,32 +14,17 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import time
 from pathlib import Path
 
 import pytest
 
-from tests.helpers import holds_token
+from tests.helpers import processes_left
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 TOKEN = "-leading-dash-token"  # token_urlsafe's alphabet has "-": engines and router must still take such a token
-
-
-def _left(session_dir: str) -> list[str]:
-    """Processes handed this module's token (engines, router) or holding a file in its Ray session (Ray's own)."""
-    left = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-            fds = [os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")]
-        except OSError:
-            continue
-        if holds_token(pid, TOKEN) or any(f.startswith(session_dir + "/") for f in fds):
-            left.append(f"{pid}: {cmd[:120]}")
-    return left
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -52,9 +37,9 @@ def ray_session():
     ray.shutdown()
     if session_dir:
         deadline = time.monotonic() + 15
-        while _left(session_dir) and time.monotonic() < deadline:
+        while processes_left(TOKEN, session_dir) and time.monotonic() < deadline:
             time.sleep(0.5)
-        assert not _left(session_dir), _left(session_dir)
+        assert not processes_left(TOKEN, session_dir), processes_left(TOKEN, session_dir)
 
 
 @pytest.mark.parametrize("transport", ["shm", "broadcast", "p2p", "disk", "delta"])

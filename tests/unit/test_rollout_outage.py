@@ -1,4 +1,6 @@
-"""An outage (nothing can serve) delays prompts instead of dropping them: the manager waits on `serving`."""
+"""Rollouts that cannot go on: an outage (nothing can serve) delays prompts instead of dropping them (the manager
+waits on `serving`); a batch that can never fill (every group dropped, e.g. a saturated reward under dynamic
+sampling) stops the run with the reasons instead of drawing prompts forever."""
 
 from __future__ import annotations
 
@@ -75,6 +77,25 @@ def test_without_an_outage_a_failing_sample_still_spends_its_attempts():
         assert st["outage_retries"] == 0 and st["generate_errors"] >= 2, st
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
+        await mgr.close()
+
+    asyncio.run(main())
+
+
+def test_a_batch_that_never_fills_stops_with_the_reason_instead_of_drawing_forever():
+    async def main():
+        import pytest
+        from rollout_fake_engine import FakeEngine
+
+        from furlong.rollout.filters import RolloutStalled
+
+        engine = FakeEngine()
+        cfg = Cfg(rollout_batch_size=2, dynamic_filter=True, max_dropped_batches=3)
+        mgr = make_manager(cfg, engine, reward_fn=lambda s: 1.0)  # every group agrees: zero variance
+        with pytest.raises(RolloutStalled, match=r"last 6 groups drawn were all dropped \(6 zero_variance"):
+            await mgr.next_batch(0)
+        st = mgr.stats()
+        assert st["filtered"] == {"zero_variance": 6} and st["prompts_taken"] >= 6, st
         await mgr.close()
 
     asyncio.run(main())
