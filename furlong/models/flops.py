@@ -80,7 +80,8 @@ def peak_flops(dtype: str = "float32", device: str = "cpu") -> tuple[float | Non
                 return tflops * 1e12, f"data sheet ({name}, dense bf16)"
         return None, f"unknown device {name}"
     n = 256
-    a, b = torch.randn(n, n).to(getattr(torch, dtype)), torch.randn(n, n).to(getattr(torch, dtype))
+    gen = torch.Generator().manual_seed(0)  # its own: the probe must not move the run's RNG stream (exact resume)
+    a, b = (torch.randn(n, n, generator=gen).to(getattr(torch, dtype)) for _ in range(2))
     a @ b  # warm-up
     reps, t0 = 0, time.perf_counter()
     while time.perf_counter() - t0 < 0.05:

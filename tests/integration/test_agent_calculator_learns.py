@@ -7,7 +7,7 @@ and 12 GRPO steps instead of 40 (about 2.5 minutes). After so short a warm-up th
 cannot yet copy reliably, so what rises within 12 steps is the habit the recipe teaches
 first: calling the tool (two runs, first step to last: 0.27 → 0.70 and 0.41 → 0.67 of
 episodes). The test asserts that the training reward and the share of episodes calling the
-tool rise, and that every trained sample came from a session (engine tokens, the tool's
+tool rise by stated margins, and that every trained sample came from a session (engine tokens, the tool's
 result masked out of the loss).
 """
 
@@ -23,6 +23,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 12
+TOOL_MARGIN = 0.1  # share of episodes calling the tool, last 3 steps over the first 3
+REWARD_MARGIN = 0.01  # training reward, the same windows
 
 
 def _furlong(*args: str, timeout: int) -> subprocess.CompletedProcess:
@@ -61,9 +63,12 @@ def test_short_agent_calculator_run_learns_to_call_the_tool(tmp_path):
     assert len(steps) == STEPS
     reward = [r["rollout/reward_mean"] for r in steps]
     used = [r["rollout/reward/used_tool"] for r in steps]
+    # Margins on the mean of the last 3 steps over the first 3 (recorded gains: tool use +0.22 and +0.19,
+    # reward +0.044 and +0.039): a run that does not learn stays within noise of 0 and fails them.
     first, last = slice(0, 3), slice(-3, None)
-    assert sum(reward[last]) > sum(reward[first]), f"training reward did not rise: {reward}"
-    assert sum(used[last]) > sum(used[first]), f"tool use did not rise: {used}"
+    gain = lambda xs: sum(xs[last]) / 3 - sum(xs[first]) / 3
+    assert gain(used) >= TOOL_MARGIN, f"tool use rose {gain(used):.3f} < {TOOL_MARGIN}: {used}"
+    assert gain(reward) >= REWARD_MARGIN, f"training reward rose {gain(reward):.3f} < {REWARD_MARGIN}: {reward}"
 
     # Every trained sample is a session's record: policy tokens trained, the tool's result never.
     samples = [

@@ -355,7 +355,7 @@ def test_sigkilled_driver_resumes_to_the_uninterrupted_weights(sync_run):
 
 
 # ---------------------------------------------------------------- records, row for row
-VOLATILE = ("time", "time/", "perf/", "weight_sync/", "engine/", "rollout_stats/")  # clocks, process counters
+VOLATILE = ("time", "time/", "perf/", "weight_sync/", "engine/", "rollout_stats/", "cpu/", "gpu/")  # clocks, counters
 # Rollout-vs-trainer log-prob gaps (~1e-8): rollout log-probs may differ in the last bits (see assert_same_samples).
 ROUNDING = "mismatch/"
 SAMPLE_COLUMNS = (

@@ -156,8 +156,9 @@ def test_resume_in_new_process_is_exact(tmp_path: Path) -> None:
     _wait(_run("first", tmp_path / "unused", extra=str(ckpt)))
     _wait(_run("second", tmp_path / "resumed.pt", extra=str(ckpt)))
     a, b = torch.load(tmp_path / "full.pt"), torch.load(tmp_path / "resumed.pt")
+    clocks = lambda m: {k: v for k, v in m.items() if not k.startswith("perf/")}  # MFU, tokens/s: wall-clock rates
     for m_full, m_resumed in zip(a["metrics"][2:], b["metrics"]):
-        assert m_full == m_resumed  # every loss part, grad norm, lr: bit-identical
+        assert clocks(m_full) == clocks(m_resumed)  # every loss part, grad norm, lr: bit-identical
     for part in ("weights", "critic"):
         for name, w in a[part].items():
             assert torch.equal(w, b[part][name]), f"{part}.{name}"

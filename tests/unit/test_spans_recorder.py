@@ -45,6 +45,14 @@ def test_span_context_records_errors_and_late_attributes():
     assert span[1:5] == ["trainer/1", "", "optimiser", 3] and span[7] == {"tokens": 7, "error": "KeyError"}
 
 
+@pytest.fixture(autouse=True)
+def own_recorder(monkeypatch):
+    """A fresh in-process recorder: spans earlier tests left in this process's (a test worker's) are not ours."""
+    from furlong.core import spans
+
+    monkeypatch.setattr(spans, "RECORDER", SpanRecorder())
+
+
 class _Store:
     def __init__(self):
         self.rows, self.written = [], {}
