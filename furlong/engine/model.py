@@ -145,21 +145,41 @@ class NativeModel:
         self.linear, self._pack = pick_linear(dtype) if self.k_pool[0].is_cpu else (F.linear, lambda w: w)
         # Dense weights by key ("3.qkv", "lm_head", ...): (source tensor, the HF parameters it reads).
         self.sources: dict[str, tuple[torch.Tensor, list[torch.Tensor]]] = {}
+        self.bias: dict[str, torch.Tensor | None] = {}  # by key: the HF bias the projection adds (None: none)
         for li, layer in enumerate(self.layers):
             at, mlp = layer.self_attn, layer.mlp
-            self._add(f"{li}.qkv", _fuse(at.q_proj, at.k_proj, at.v_proj), [at.q_proj, at.k_proj, at.v_proj])
-            self._add(f"{li}.o", at.o_proj.weight, [at.o_proj])
+            self._add_group(li, "qkv", (("q", at.q_proj), ("k", at.k_proj), ("v", at.v_proj)))
+            self._add(f"{li}.o", at.o_proj)
             if hasattr(mlp, "gate_proj"):
-                self._add(f"{li}.gate_up", _fuse(mlp.gate_proj, mlp.up_proj), [mlp.gate_proj, mlp.up_proj])
-                self._add(f"{li}.down", mlp.down_proj.weight, [mlp.down_proj])
-        self._add("lm_head", hf_model.lm_head.weight, [hf_model.lm_head])
+                self._add_group(li, "gate_up", (("gate", mlp.gate_proj), ("up", mlp.up_proj)))
+                self._add(f"{li}.down", mlp.down_proj)
+        self._add("lm_head", hf_model.lm_head)
         self.w: dict[str, torch.Tensor] = {}  # what the forward multiplies by: packed (oneDNN) or the source itself
         self.refresh()
         self.decode_kv: DecodeRows | None = None
 
-    def _add(self, key: str, source: torch.Tensor | None, modules: list) -> None:
-        if source is not None:
-            self.sources[key] = (source, [m.weight for m in modules])
+    def _add(self, key: str, module, source: torch.Tensor | None = None, parts: list | None = None) -> None:
+        self.sources[key] = (module.weight if source is None else source, [m.weight for m in parts or [module]])
+        self.bias[key] = getattr(module, "bias", None)
+
+    def _add_group(self, li: int, fused_key: str, named: tuple) -> None:
+        """Fuse bias-free projections that read the same input (q|k|v, gate|up) under one key; biased ones
+        (Qwen2's qkv, Llama's mlp_bias) stay one key each ("3.q", "3.k", ...)."""
+        modules = [m for _, m in named]
+        fused = _fuse(*modules)
+        if fused is not None:
+            self._add(f"{li}.{fused_key}", modules[0], fused, modules)
+        else:
+            for name, m in named:
+                self._add(f"{li}.{name}", m)
+
+    def proj(self, key: str, x: torch.Tensor) -> torch.Tensor:
+        """Every dense projection of the forward, by key ("3.qkv", "3.o", "lm_head", ...).
+
+        Why one method: it is the single place where what a linear computes can change — a weight
+        stored in a low-precision format, or a per-request adapter added to the output — without
+        touching the attention and MLP code around it."""
+        return self.linear(x, self.w[key], self.bias[key])
 
     def refresh(self, names=None, defer: bool = False) -> None:
         """Re-pack the weights that read the named HF parameters (all when `names` is None), after an update.
@@ -277,7 +297,7 @@ class NativeModel:
         """Return (logits[len(logit_rows), V] in fp32, routes[T, layers, k] or None)."""
         if self._dirty:
             self._repack()  # a sync's last bucket had no version stamp: pack what it left marked
-        m, lin = self.hf.model, self.linear
+        m = self.hf.model
         x = m.embed_tokens(b.input_ids)
         cos, sin = m.rotary_emb(x[None], b.positions[None])
         half = self.head_dim // 2
@@ -298,9 +318,9 @@ class NativeModel:
             at = layer.self_attn
             h = self._norm(x, layer.input_layernorm.weight)
             if f"{li}.qkv" in self.w:
-                q, k, v = lin(h, self.w[f"{li}.qkv"]).split([nq, nk, nk], dim=-1)
+                q, k, v = self.proj(f"{li}.qkv", h).split([nq, nk, nk], dim=-1)
             else:
-                q, k, v = (lin(h, m.weight, m.bias) for m in (at.q_proj, at.k_proj, at.v_proj))
+                q, k, v = (self.proj(f"{li}.{n}", h) for n in "qkv")
             q, k, v = q.reshape(T, self.n_heads, hd), k.reshape(T, self.n_kv, hd), v.reshape(T, self.n_kv, hd)
             if hasattr(at, "q_norm"):
                 q = self._norm(q, at.q_norm.weight)
@@ -330,7 +350,7 @@ class NativeModel:
                 vs = vs.transpose(0, 1).repeat_interleave(g, dim=0)[None]
                 o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=self.scale)
                 out[p.start : p.start + p.n] = o[0].transpose(0, 1)
-            x = x + lin(out.reshape(T, -1), self.w[f"{li}.o"], at.o_proj.bias)
+            x = x + self.proj(f"{li}.o", out.reshape(T, -1))
             h = self._norm(x, layer.post_attention_layernorm.weight)
             mlp = layer.mlp
             if self.is_moe and hasattr(mlp, "gate") and hasattr(mlp, "experts"):
@@ -338,14 +358,14 @@ class NativeModel:
                 if b.want_routes:
                     routes.append(top_i)
                 x = x + y
-            elif f"{li}.gate_up" in self.w:
-                gate, up = lin(h, self.w[f"{li}.gate_up"]).chunk(2, dim=-1)
-                x = x + lin(F.silu(gate) * up, self.w[f"{li}.down"], mlp.down_proj.bias)
-            else:  # biased gate/up (Llama mlp_bias): not fused
-                gate, up = (lin(h, p.weight, p.bias) for p in (mlp.gate_proj, mlp.up_proj))
-                x = x + lin(F.silu(gate) * up, self.w[f"{li}.down"], mlp.down_proj.bias)
+            else:
+                if f"{li}.gate_up" in self.w:
+                    gate, up = self.proj(f"{li}.gate_up", h).chunk(2, dim=-1)
+                else:  # biased gate/up (Llama mlp_bias): not fused
+                    gate, up = self.proj(f"{li}.gate", h), self.proj(f"{li}.up", h)
+                x = x + self.proj(f"{li}.down", F.silu(gate) * up)
         x = self._norm(x[b.logit_rows], m.norm.weight)
-        logits = lin(x, self.w["lm_head"], self.hf.lm_head.bias).float()
+        logits = self.proj("lm_head", x).float()
         if dec is not None:
             dec.commit(dplan[0], b.decode_lens.tolist())
         self.decode_kv = dec
