@@ -44,10 +44,12 @@ def _engine_vs_hf(model_dir, dtype: str, tol: float) -> None:
             assert abs(row[t].item() - r.output_logprobs[i]) <= tol, (p, i)
 
 
+@pytest.mark.timeout(360)
 def test_engine_on_cuda_matches_hf_in_fp32(tiny_model_dir):
     _engine_vs_hf(tiny_model_dir, "float32", 1e-3)
 
 
+@pytest.mark.timeout(360)
 def test_engine_on_cuda_matches_hf_in_bf16_within_the_stated_tolerance(tiny_model_dir):
     _engine_vs_hf(tiny_model_dir, "bfloat16", 0.1)
 

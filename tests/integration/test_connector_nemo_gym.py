@@ -167,6 +167,7 @@ def verify(resources_url: str, row: dict, text: str) -> float:
     return r.json()["reward"]
 
 
+@pytest.mark.timeout(420)
 def test_episodes_keep_engine_tokens_and_nemo_gym_reward(sessions, tok, rows, hf):
     url = sessions.url
     for row in rows[:2]:
@@ -250,6 +251,7 @@ def test_bad_connector_options_name_the_field(rows):
         asyncio.run(nemo_gym.run_episode(rows[0], "http://127.0.0.1:1/v1"))
 
 
+@pytest.mark.timeout(660)
 @pytest.mark.extended  # a whole `furlong train` run (about a minute): `make test-extended`
 def test_train_on_the_example_recipe(tmp_path):
     run = tmp_path / "run"

@@ -202,6 +202,7 @@ def _drivers() -> set[int]:
     return out
 
 
+@pytest.mark.timeout(660)
 @pytest.mark.extended  # a whole `furlong train` run (about a minute): `make test-extended`
 def test_furlong_train_on_a_verifiers_taskset(venv, tmp_path):
     """`furlong train examples/connectors/verifiers.yaml`, 2 steps: the samples it trains on are verifiers episodes."""

@@ -64,6 +64,7 @@ def post_shm(url: str, named: dict, **kw) -> httpx.Response:
         shm.unlink()
 
 
+@pytest.mark.timeout(360)
 def test_update_from_shared_memory_then_disk(world):
     url = world["url"]
     before = outputs(url)

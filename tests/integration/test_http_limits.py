@@ -34,7 +34,7 @@ def _post(url: str, body: object, headers: dict[str, str] | None = None) -> http
     return httpx.post(url, content=content, headers={"content-type": "application/json", **(headers or {})}, timeout=30)
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(150)
 def test_router_refuses_a_body_over_its_limit_with_413_naming_it():
     bearer = {"Authorization": f"Bearer {TOKEN}"}
     with serve_in_thread([], admin_token=TOKEN, max_body_bytes=LIMIT) as router:
@@ -49,7 +49,7 @@ def test_router_refuses_a_body_over_its_limit_with_413_naming_it():
         assert httpx.get(router.url + "/engines").status_code == 200  # still serving
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(120)
 def test_session_server_refuses_a_body_over_its_limit_with_413_naming_it():
     with ServerThread(SessionServer("http://127.0.0.1:9", max_body_bytes=LIMIT)) as sessions:
         sid = httpx.post(sessions.url + "/sessions", json={}).json()["id"]

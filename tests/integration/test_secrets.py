@@ -165,7 +165,7 @@ def test_token_file_flag_and_environment_in_that_order(tmp_path, monkeypatch, ca
     ]
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(120)
 def test_a_bad_token_file_stops_the_cli_naming_the_file(tmp_path):
     missing = tmp_path / "missing"
     for prog in ("router", "serve"):

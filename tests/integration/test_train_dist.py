@@ -128,6 +128,7 @@ def _wait(*procs: subprocess.Popen) -> None:
         assert p.wait(timeout=240) == 0, f"worker {p.args} failed"
 
 
+@pytest.mark.timeout(540)
 def test_world_size_two_equals_one(tmp_path: Path) -> None:
     port = _free_port()
     ranks = [_run("ws", tmp_path / "ws2.pt", r, 2, port=port) for r in range(2)]
@@ -149,6 +150,7 @@ def test_world_size_two_equals_one(tmp_path: Path) -> None:
     assert any(not torch.equal(base[n], w) for n, w in one["weights"].items())
 
 
+@pytest.mark.timeout(780)
 def test_resume_in_new_process_is_exact(tmp_path: Path) -> None:
     ckpt = tmp_path / "run" / "checkpoints" / "step_2"
     full = _run("full", tmp_path / "full.pt")

@@ -59,7 +59,7 @@ def max_diff(a: list[list[float]], b: list[list[float]]) -> float:
     return max(abs(x - y) for xs, ys in zip(a, b) for x, y in zip(xs, ys))
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(480)
 @pytest.mark.parametrize("arch", list(FAMILIES))
 def test_family_end_to_end(arch: str) -> None:
     from transformers import AutoModelForCausalLM

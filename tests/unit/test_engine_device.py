@@ -74,7 +74,7 @@ def test_batch_to_moves_every_tensor_and_keeps_the_rest():
     assert moved.decode_blocks is None and moved.token_seq == [0, 0] and not b.input_ids.is_meta
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(180)
 def test_explicit_cpu_engine_matches_hf_greedy_and_logprobs(tiny_model_dir):
     prompts = [[5, 6, 7], [9, 10, 11, 12, 13, 14, 15, 16, 17, 18]]
     hf = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
