@@ -19,11 +19,12 @@ in_git=0; git rev-parse --is-inside-work-tree >/dev/null 2>&1 && in_git=1
 # Two workers by default (FURLONG_TEST_WORKERS=1 runs serially): much of the suite waits on servers and
 # subprocesses starting, which a second worker overlaps. Whole files go to one worker (module fixtures
 # such as a shared chaos run stay shared), each worker's processes get one thread so two workers do not
-# oversubscribe the cores.
+# oversubscribe the cores. Files go out in collection order (tests/conftest.py puts the longest first), not
+# xdist's default of files with the most tests first, which left the longest run alone at the end.
 workers=${FURLONG_TEST_WORKERS:-2}
 par=()
 if [ "$workers" -gt 1 ] && .venv/bin/python -c "import xdist" 2>/dev/null; then
-  par=(-n "$workers" --dist loadfile); export OMP_NUM_THREADS=1
+  par=(-n "$workers" --dist loadfile --no-loadscope-reorder); export OMP_NUM_THREADS=1
 fi
 .venv/bin/python -m pytest -q -p no:cacheprovider "${par[@]}" --junitxml="$report" "$@"
 rc=$?

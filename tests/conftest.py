@@ -14,6 +14,11 @@ import pytest
 
 from tests.fixtures.real_run import real_run_dir  # noqa: F401 - one shared real 2x2 run (session)
 
+try:  # the run-tests.sh scheduler: `--dist loadfile` that does not hang after a crashed worker
+    from tests.xdist_scheduling import pytest_xdist_make_scheduler  # noqa: F401
+except ImportError:  # pytest-xdist not installed: serial runs need no scheduler
+    pass
+
 
 @pytest.fixture(scope="session")
 def tiny_model_dir():
@@ -30,8 +35,29 @@ def tiny_moe_dir():
 
 
 def pytest_collection_modifyitems(config, items):
-    """Files with a `slow` test first, each file kept whole: with `-n 2 --dist loadfile` (scripts/run-tests.sh)
-    the long runs start at once on both workers instead of leaving one worker a long tail at the end."""
-    slow_files = {item.nodeid.split("::")[0] for item in items if item.get_closest_marker("slow")}
+    """Files with a `slow` test first, the one with the largest pytest timeout first among them (the
+    timeout is the best duration estimate collection has), each file kept whole. With `-n 2 --dist loadfile
+    --no-loadscope-reorder` (scripts/run-tests.sh) the longest runs start at once on both workers instead
+    of leaving one worker a long tail at the end (xdist's default reorder puts files with many tests first)."""
+
+    def file_of(item) -> str:
+        return item.nodeid.split("::")[0]
+
+    slow_files = {file_of(item) for item in items if item.get_closest_marker("slow")}
+    longest: dict[str, float] = {}
+    for item in items:
+        mark = item.get_closest_marker("timeout")
+        t = float(mark.args[0]) if mark is not None and mark.args else float(config.getini("timeout") or 0)
+        longest[file_of(item)] = max(longest.get(file_of(item), 0.0), t)
     order = {id(item): i for i, item in enumerate(items)}
-    items.sort(key=lambda item: (item.nodeid.split("::")[0] not in slow_files, order[id(item)]))
+    first = {}
+    for item in items:
+        first.setdefault(file_of(item), order[id(item)])
+    items.sort(
+        key=lambda item: (
+            file_of(item) not in slow_files,
+            -longest[file_of(item)] if file_of(item) in slow_files else 0.0,
+            first[file_of(item)],
+            order[id(item)],
+        )
+    )

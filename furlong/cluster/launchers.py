@@ -50,6 +50,8 @@ def engine_command(
         threads=threads,
         admin_token=admin_token,
         device=engine.device,
+        quantization=engine.quantization,
+        cuda_graphs=engine.cuda_graphs,
     )
 
 
@@ -66,6 +68,8 @@ def colocated_engine_kwargs(engine: EngineConfig) -> dict[str, Any]:
         max_running=engine.max_running,
         max_context=engine.max_context,
         prefix_cache=engine.prefix_cache,
+        cuda_graphs=engine.cuda_graphs,
+        **({"quantization": engine.quantization} if engine.quantization != "none" else {}),
         **({"device": engine.device} if engine.device != "auto" else {}),  # auto: the Engine's own default
     )
 

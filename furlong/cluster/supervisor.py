@@ -441,6 +441,25 @@ class EngineSupervisor:
         if bad:
             raise RuntimeError(f"{what} failed on {'; '.join(bad)}")
 
+    async def sync_eval_engines(self) -> int:
+        """Give the dedicated eval engines (`rollout.eval_mode=dedicated`) the trainer's weights as the current
+        version; that version. The replaced-engine path (`resync_engine`), so weights no version names yet
+        (the trainer mid-step) are never pushed: the driver calls it right after a weight sync. Eval engines
+        are not behind the router nor health-checked: one that dies fails its eval, not the run's rollouts."""
+        urls = getattr(self.top, "eval_engine_urls", [])
+        if not urls:
+            raise RuntimeError("rollout.eval_mode=dedicated: the topology started no eval engines")
+        async with self._lock:
+            version = self.version.current
+            for url in urls:
+                got = await self.trainers.resync_engine(
+                    url, version, transport=self.transport, admin_token=self.token, opts=self.push_opts
+                )
+                if got is None:
+                    raise RuntimeError(f"eval engine {url}: the trainer's weights are newer than v{version}")
+            self.counts["eval_syncs"] += 1
+            return version
+
     async def sync_weights(self, version: int) -> dict[str, Any]:
         """Pause, push `version` to every engine that is up, continue; an engine dying mid-sync is replaced.
 

@@ -6,6 +6,7 @@
       ├─ TrainerGroup          N TrainerActor ranks of FSDP2 (gloo on CPU, NCCL on GPU)
       ├─ engines × M           engine processes (launcher by engine.backend), each owned by a ProcessActor;
       │                        with cluster.colocate, one engine inside trainer rank 0 instead
+      ├─ eval engines × E      the same launcher, for `rollout.eval_mode=dedicated`: not behind the router
       └─ router                `furlong router` process in front of the engines
 
 Threads: each process gets `cluster.threads_per_process`, or the cores divided by
@@ -90,6 +91,8 @@ class Topology:
     trainers: TrainerGroup = field(default_factory=lambda: TrainerGroup([]))
     engines: list[Any] = field(default_factory=list)  # ProcessActor handles (empty when colocated)
     engine_urls: list[str] = field(default_factory=list)
+    eval_engines: list[Any] = field(default_factory=list)  # dedicated eval engines (ProcessActor handles)
+    eval_engine_urls: list[str] = field(default_factory=list)  # not behind the router
     router: Any = None
     router_url: str = ""
     placement: Any = None
@@ -109,11 +112,13 @@ class Topology:
         admin_token: str,
         threads: int,
         weights: WeightsConfig | None = None,
+        eval_engines: int = 0,
     ) -> Topology:
-        """`weights`: where the run's transport is checked against the placement (None: not checked)."""
+        """`weights`: where the run's transport is checked against the placement (None: not checked).
+        `eval_engines`: engines for `rollout.eval_mode=dedicated`, placed after the others, not routed."""
         top = cls(Path(run_dir), admin_token)
         try:
-            top._launch(cluster, engine, router, trainer, threads, weights)
+            top._launch(cluster, engine, router, trainer, threads, weights, eval_engines)
         except BaseException:
             top.shutdown()  # a half-started topology must not keep its actors and bundles (shared Ray, auto-restart)
             raise
@@ -127,6 +132,7 @@ class Topology:
         trainer: TrainerSpec,
         threads: int,
         weights: WeightsConfig | None,
+        n_eval: int = 0,
     ) -> None:
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
@@ -139,14 +145,14 @@ class Topology:
         else:
             check_backend(engine)
         gpu = 1 if (cluster.num_gpus or 0) > 0 else 0
-        n_bundles = bundles_needed(cluster, ws, ne)
+        n_bundles = bundles_needed(cluster, ws, ne) + n_eval
         init_ray(cluster, n_bundles)  # no-op when the driver already started Ray in its main thread
         self.multi_node = multi = nodes.is_multi_node(cluster)
         nodes.require_token(self.admin_token, multi)
         if weights is not None:
             self.transport = nodes.weight_transport(weights, multi, len(nodes.alive_nodes()))
         nodes.check_resources(cluster)
-        wanted = nodes.bundles(cluster, ws, 0 if cluster.colocate else ne, gpu)
+        wanted = nodes.bundles(cluster, ws, 0 if cluster.colocate else ne + n_eval, gpu)
         self.placement = placement_group(wanted, strategy="PACK")
         ray.get(self.placement.ready(), timeout=120)
         placed = nodes.bundle_nodes(self.placement)
@@ -157,6 +163,8 @@ class Topology:
             self.weight_opts["backend"] = nodes.broadcast_backend(trainer.train.backend, engine.device, gpus)
         if engine.backend == "sglang":  # SGLang's request shapes (weight_version as a string)
             self.weight_opts["engine_api"] = "sglang"
+        if engine.quantization != "none":  # the sender quantises once per sync; engines load the codes
+            self.weight_opts["quantization"] = engine.quantization
 
         def at(i: int, **kw: Any) -> dict[str, Any]:
             where = PlacementGroupSchedulingStrategy(self.placement, placement_group_bundle_index=i)
@@ -183,7 +191,7 @@ class Topology:
             url = ray.get(start)  # a wildcard bind names the node's address instead
             self.engine_urls = [url if url_host == bind else f"http://{url_host}:{url.rsplit(':', 1)[1]}"]
         else:
-            for i in range(ne):
+            for i in range(ne + n_eval):  # the eval engines last: eval-engine-j is engine ne + j
                 port = engine.port_base + i if engine.port_base else free_port()
                 bind, url_host = nodes.bind_host(engine.host, placed[ws + i][1], multi)
                 argv = engine_command(
@@ -194,11 +202,13 @@ class Topology:
                     threads=threads,
                     host=bind,
                 )
+                name = f"engine-{i}" if i < ne else f"eval-engine-{i - ne}"
                 actor = ProcessActor.options(**at(ws + i, num_cpus=1, num_gpus=gpu)).remote(
-                    f"engine-{i}", argv, port, str(logs / f"engine-{i}.log"), threads, url_host
+                    name, argv, port, str(logs / f"{name}.log"), threads, url_host
                 )
-                self.engines.append(actor)
-            self.engine_urls = ray.get([a.start.remote() for a in self.engines])
+                (self.engines if i < ne else self.eval_engines).append(actor)
+            urls = ray.get([a.start.remote() for a in self.engines + self.eval_engines])
+            self.engine_urls, self.eval_engine_urls = urls[:ne], urls[ne:]
         self.trainers.wait_built(built)
         port = router.port or free_port()
         here = ray.get_runtime_context().get_node_id()  # the router serves the driver: it runs on the driver's node
@@ -209,20 +219,21 @@ class Topology:
         ).remote("router", argv, port, str(logs / "router.log"), 1, url_host)
         self.router_url = ray.get(self.router.start.remote())
         roles = [f"trainer-{r}" for r in range(ws)] + [f"engine-{i}" for i in range(len(self.engines))]
-        urls = [""] * ws + self.engine_urls
+        roles += [f"eval-engine-{j}" for j in range(len(self.eval_engines))]
+        urls = [""] * ws + self.engine_urls + self.eval_engine_urls
         placement = {role: {"node_id": nid, "node_ip": ip, "url": u} for role, (nid, ip), u in zip(roles, placed, urls)}
         placement["router"] = {"node_id": here, "node_ip": ray.util.get_node_ip_address(), "url": self.router_url}
         nodes.write_placement(self.run_dir, placement, multi=multi, transport=self.transport)
 
     def shutdown(self) -> None:
-        for handle in [self.router, *self.engines]:
+        for handle in [self.router, *self.engines, *self.eval_engines]:
             if handle is not None:
                 try:
                     ray.get(handle.stop.remote(), timeout=20)
                 except Exception:
                     pass
         self.trainers.shutdown(timeout_s=20)
-        for handle in [self.router, *self.engines]:
+        for handle in [self.router, *self.engines, *self.eval_engines]:
             if handle is not None:
                 ray.kill(handle)
         if self.placement is not None:

@@ -18,6 +18,8 @@ from fractions import Fraction
 from pathlib import Path
 from typing import Any, Literal, Protocol
 
+from furlong.config.checks_lora import check_lora
+
 Problem = tuple[tuple[str, ...], str]
 
 
@@ -93,10 +95,7 @@ DEFAULTS_FROM: tuple[tuple[str, str], ...] = (
 # field named here as read (the user is told), so keep this a literal table and drop a row once the
 # feature is built.
 NOT_BUILT: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
-    ("engine.quantization", lambda v: v != "none", "quantised rollout weights (FP8/MXFP8/NVFP4)"),
-    ("rollout.routing_replay", bool, "replaying MoE routing in the trainer (engines already record it)"),
     ("rollout.rollout_fn", lambda v: v is not None, "replacing the whole rollout step"),
-    ("rollout.eval_mode", lambda v: v == "dedicated", "eval on its own engines, synced at each eval step"),
 )
 
 
@@ -141,7 +140,7 @@ def resolve(cfg: ConfigView) -> list[Problem]:
         algo.reducer_constant = float(ro.max_new_tokens)
     if not _set(cfg, "rollout", "max_staleness"):
         ro.max_staleness = 0 if ro.mode == "sync" else 1
-    if data.path is not None and not _set(cfg, "data", "task"):
+    if (data.path is not None or data.mix) and not _set(cfg, "data", "task"):
         data.task = None
     if data.eval_path is None and not _set(cfg, "data", "eval_task"):
         data.eval_task = data.task
@@ -255,11 +254,20 @@ def _check_rollout(cfg: ConfigView, bad: Bad) -> None:
             f"rollout.max_turns={ro.max_turns} but nothing produces a second turn: set envs.name, envs.environment, "
             "envs.tools, rollout.agent_fn, rollout.generate_fn or rollout.rollout_fn",
         )
-    if ro.routing_replay and cfg.model.path is None and cfg.model.arch != "qwen3_moe":
-        bad(
-            ("rollout.routing_replay", "model.arch"),
-            f"rollout.routing_replay=true replays MoE expert routing; model.arch={cfg.model.arch} has no experts",
-        )
+    if cfg.engine.eval_num_engines != 1 and ro.eval_mode != "dedicated":  # 1: the default a saved config holds
+        why = f"engine.eval_num_engines is the engines of rollout.eval_mode=dedicated (got {ro.eval_mode})"
+        bad(("engine.eval_num_engines", "rollout.eval_mode"), why)
+    if ro.eval_mode == "dedicated" and cfg.cluster.colocate:  # its engines need bundles; colocate has none
+        why = "rollout.eval_mode=dedicated starts engines of its own; cluster.colocate runs one inside the trainer"
+        bad(("rollout.eval_mode", "cluster.colocate"), why + " (use eval_mode=async)")
+    no_experts = cfg.model.path is None and cfg.model.arch not in ("qwen3_moe", "mixtral")  # a path: the engine checks
+    for field, broken, why in (  # R3 needs experts, engines that record routes, no recompute (routing_replay.py)
+        ("model.arch", no_experts, f"model.arch={cfg.model.arch} has no experts"),
+        ("engine.backend", cfg.engine.backend == "sglang", "engine.backend=sglang does not record routes yet"),
+        ("train.gradient_checkpointing", cfg.train.gradient_checkpointing, "checkpoint recompute skips replay"),
+    ):
+        if ro.routing_replay and broken:
+            bad(("rollout.routing_replay", field), f"rollout.routing_replay=true replays MoE expert routing; {why}")
 
 
 def _check_algo(cfg: ConfigView, bad: Bad) -> None:
@@ -276,6 +284,11 @@ def _check_algo(cfg: ConfigView, bad: Bad) -> None:
         bad(
             ("algo.advantage", "algo.name"),
             f"algo.name={algo.name} uses no advantage estimator; algo.advantage must be none",
+        )
+    if algo.name == "sft" and ro.eval_mode == "async":  # an SFT run starts no rollout engines to share with eval
+        why = "algo.name=sft starts no rollout engines for rollout.eval_mode=async to share"
+        bad(
+            ("rollout.eval_mode", "algo.name"), why + " (blocking: teacher-forced eval only; dedicated: + eval engines)"
         )
     if algo.name not in ("sft", "distill") and algo.advantage == "none":
         bad(
@@ -325,20 +338,7 @@ def _check_train(cfg: ConfigView, bad: Bad) -> None:
             f"train.warmup_steps={tr.warmup_steps} exceeds the run's {total_opt} optimiser steps "
             f"(train.total_steps={tr.total_steps} × train.num_steps_per_rollout={tr.num_steps_per_rollout})",
         )
-    if tr.lora.enabled and cfg.weights.transport == "p2p":
-        bad(
-            ("train.lora.enabled", "weights.transport"),
-            "train.lora.enabled=true syncs weights merged from the base and the adapters, which "
-            "weights.transport=p2p (each rank sends its own shards of the base) cannot carry; "
-            "use shm, broadcast, disk or delta",
-        )
-    if tr.qat != "none" and tr.lora.enabled:
-        bad(
-            ("train.qat", "train.lora.enabled"),
-            f"train.qat={tr.qat} with train.lora.enabled=true is not supported: the rollout would quantise "
-            "the merged W + B·A, which a fake-quantised base plus a full-precision adapter does not equal; "
-            "use one or the other",
-        )
+    check_lora(cfg, bad)  # train.lora and multi-LoRA (checks_lora.py)
 
 
 def _check_not_built(cfg: ConfigView, bad: Bad) -> None:
@@ -386,6 +386,9 @@ def _check_sglang(cfg: ConfigView, bad: Bad) -> None:
             "engine.backend=sglang: weights.verify=true compares every engine tensor's CRC32 "
             "(/get_weights_checksum), which SGLang does not serve; set weights.verify=false",
         )
+    if (q := cfg.engine.quantization) != "none":  # codes + scales at sync: the built-in engine's store only
+        why = f"engine.quantization={q} is built for the built-in engine, not yet for SGLang; set it to none"
+        bad(("engine.backend", "engine.quantization"), f"engine.backend=sglang: {why}")
 
 
 def _check_mixed_precision(cfg: ConfigView, bad: Bad) -> None:
@@ -422,6 +425,14 @@ def _check_hardware(cfg: ConfigView, bad: Bad) -> None:
         gpu_users.append(("engine.device", f"engine.device={eng.device}"))
     if cfg.cluster.address is None and (cfg.cluster.num_gpus or 0) > 0:
         gpu_users.append(("cluster.num_gpus", f"cluster.num_gpus={cfg.cluster.num_gpus} on a local Ray"))
+    on_cpu = eng.device == "cpu" or (eng.device == "auto" and cfg.cluster.address is None and not cuda_available())
+    if eng.cuda_graphs and (eng.backend == "sglang" or on_cpu):  # the built-in engine's own graphs (engine/graphs.py)
+        why = "SGLang captures its own" if eng.backend == "sglang" else f"engine.device={eng.device} is the CPU here"
+        bad(
+            ("engine.cuda_graphs", "engine.backend" if eng.backend == "sglang" else "engine.device"),
+            f"engine.cuda_graphs=true replays the built-in engine's decode as CUDA graphs, but {why}: set "
+            "engine.cuda_graphs=false, or run the built-in engine with engine.device=cuda[:N] on a GPU machine",
+        )
     if gpu_users and not cuda_available():
         bad(
             tuple(f for f, _ in gpu_users),
@@ -449,11 +460,11 @@ def _check_data(cfg: ConfigView, bad: Bad) -> None:
     algo, ro, data = cfg.algo, cfg.rollout, cfg.data
     if data.path is not None and data.task is not None:
         bad(("data.path", "data.task"), "set one of data.path and data.task, not both")
-    if data.path is None and data.task is None and algo.name != "distill":
+    if data.path is None and data.task is None and not data.mix and algo.name != "distill":
         bad(("data.path", "data.task"), "no training data: set data.path or data.task")
     if data.eval_path is not None and data.eval_task is not None:
         bad(("data.eval_path", "data.eval_task"), "set one of data.eval_path and data.eval_task, not both")
-    if ro.eval_every > 0 and data.eval_path is None and data.eval_task is None:
+    if ro.eval_every > 0 and data.eval_path is None and data.eval_task is None and not data.mix:
         bad(
             ("rollout.eval_every", "data.eval_path"),
             f"rollout.eval_every={ro.eval_every} but there is no eval data: set data.eval_path or data.eval_task",

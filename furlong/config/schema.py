@@ -89,6 +89,14 @@ class ModelConfig(Section):
     max_positions: int = Field(2048, ge=64, le=131072)  # context length of a locally built model
 
 
+class MixTask(Section):
+    """One synthetic task of a `data.mix`, and the LoRA adapter (`train.lora.adapters`) its prompts train."""
+
+    task: str  # a synthetic task name (furlong/data/tasks.py)
+    adapter: str | None = None  # one of train.lora.adapters; None -> the run's single policy
+    difficulty: int | None = Field(None, ge=1)  # None -> data.difficulty
+
+
 class DataConfig(Section):
     """Training and eval prompts: a file or a synthetic task, with field mapping."""
 
@@ -109,6 +117,9 @@ class DataConfig(Section):
     apply_chat_template: bool = True  # wrap text prompts as a user message in the chat template
     sft_path: str | None = None  # demonstrations (prompt + response) for the SFT warm-up; None -> the task's answers
     sft_response_key: str = "response"  # field of sft_path holding the demonstrated response
+    # Each prompt is tagged with its task's adapter in metadata["adapter"] (a file's rows can carry their own
+    # with metadata_keys: [adapter]). n_train and n_eval count all tasks together.
+    mix: list[MixTask] = Field(default_factory=list)  # {task, adapter, difficulty}, interleaved; not with task
 
 
 class RolloutConfig(Section):
@@ -158,8 +169,9 @@ class EngineConfig(Section):
 
     backend: Literal["builtin", "sglang"] = "builtin"  # builtin PyTorch engine (CPU/GPU) or SGLang (GPU)
     num_engines: int = Field(1, ge=1)  # engine servers behind the router
+    eval_num_engines: int = Field(1, ge=1)  # rollout.eval_mode=dedicated: eval's own engines, not behind the router
     dtype: Dtype = "float32"  # rollout weights; unset -> model.dtype
-    quantization: Literal["none", "fp8", "mxfp8", "nvfp4"] = "none"  # rollout weights, quantised at sync
+    quantization: Literal["none", "fp8", "mxfp8", "nvfp4", "int4"] = "none"  # rollout weights, quantised at sync
     kv_cache_mb: int = Field(256, ge=1)  # KV-cache budget per engine
     max_running: int = Field(64, ge=1)  # requests decoded together per engine
     max_context: int | None = Field(None, ge=1)  # None -> the model's max positions
@@ -168,6 +180,7 @@ class EngineConfig(Section):
     host: str = "127.0.0.1"  # engines bind here
     port_base: int = Field(0, ge=0, le=65535)  # engine i listens on port_base + i; 0 = free ports
     device: str = Field("auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$")  # auto: cuda:0 when visible, else cpu
+    cuda_graphs: bool = False  # builtin on CUDA: replay decode steps as CUDA graphs, one per batch-size bucket
 
 
 class RouterConfig(Section):
@@ -183,13 +196,15 @@ class RouterConfig(Section):
 
 
 class LoraConfig(Section):
-    """PEFT LoRA adapters: only adapters train, and only adapters are synced."""
+    """PEFT LoRA adapters: only adapters train; `sync` says whether engines get adapters or merged weights."""
 
     enabled: bool = False
     r: int = Field(8, ge=1)  # adapter rank
     alpha: float = Field(16.0, gt=0)
     dropout: float = Field(0.0, ge=0.0, lt=1.0)
     target_modules: list[str] = Field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
+    sync: Literal["adapter", "merged"] = "adapter"  # adapter: A, B only (built-in engine); merged: W + B·A·scale
+    adapters: list[str] = Field(default_factory=list)  # multi-LoRA: one per name; [] -> a single adapter
 
 
 class TrainConfig(Section):
@@ -206,7 +221,7 @@ class TrainConfig(Section):
     lr_schedule: Literal["constant", "cosine", "linear"] = "constant"  # after linear warm-up
     warmup_steps: int = Field(0, ge=0)  # optimiser steps
     total_steps: int = Field(100, ge=1)  # RL steps (one rollout batch each)
-    micro_batch_tokens: int = Field(512, ge=1)  # token budget of one packed micro-batch (attention is quadratic in it)
+    micro_batch_tokens: int = Field(512, ge=1)  # token budget of one padded micro-batch: rows x its longest sample
     global_batch_size: int = Field(16, ge=1)  # samples per optimiser step
     num_steps_per_rollout: int = Field(1, ge=1)  # optimiser steps per rollout batch
     dtype: Literal["float32", "bfloat16"] = "float32"  # parameter dtype in training; unset -> model.dtype

@@ -40,6 +40,8 @@ WEIGHT_VERSION = "/get_weight_version"
 SERVER_INFO = "/get_server_info"
 TOKENIZE = "/tokenize"
 DETOKENIZE = "/detokenize"
+LOAD_LORA = "/load_lora_adapter"
+UNLOAD_LORA = "/unload_lora_adapter"
 # Endpoints that change what an engine serves: they require the run's admin token.
 CONTROL_PATHS = (
     ABORT,
@@ -52,7 +54,32 @@ CONTROL_PATHS = (
     INIT_GROUP,
     DESTROY_GROUP,
     WEIGHT_CHECKSUMS,
+    LOAD_LORA,
+    UNLOAD_LORA,
 )
+
+# Adapter-only LoRA sync: adapter tensors travel through every weight transport under these names, beside
+# (never among) the model's own parameter names: `lora::<adapter>::<HF module>.lora_A` ([r, in]),
+# `...lora_B` ([out, r]) and one `lora::<adapter>::config` tensor [scaling, number of modules].
+LORA_TENSOR_PREFIX = "lora::"
+
+
+def lora_tensor_name(adapter: str, module: str, part: str) -> str:
+    """`part`: lora_A | lora_B, or "config" with `module` empty."""
+    head = f"{LORA_TENSOR_PREFIX}{adapter}::"
+    return f"{head}config" if part == "config" else f"{head}{module}.{part}"
+
+
+def parse_lora_tensor_name(name: str) -> tuple[str, str, str] | None:
+    """(adapter, module, part) of an adapter tensor name; None for a model parameter name."""
+    if not name.startswith(LORA_TENSOR_PREFIX):
+        return None
+    adapter, _, rest = name[len(LORA_TENSOR_PREFIX) :].partition("::")
+    if rest == "config":
+        return adapter, "", "config"
+    module, _, part = rest.rpartition(".")
+    return adapter, module, part
+
 
 MAX_N = 16
 MAX_STOP = 16
@@ -129,6 +156,21 @@ class GenerateIn(Strict):
     stream: bool = False
     return_routed_experts: bool = False
     lora_path: str | None = None
+    # SGLang's request priority: larger values are scheduled first (SGLang honours it under
+    # --enable-priority-scheduling); eval requests beside training (`rollout.eval_mode`) send -1.
+    priority: int | None = Field(None, strict=True)
+
+
+class LoadLoraIn(Strict):
+    """SGLang's `/load_lora_adapter`: a PEFT adapter directory (adapter_config.json + adapter_model.safetensors)."""
+
+    lora_name: str = Field(min_length=1)
+    lora_path: str = Field(min_length=1)
+    pinned: bool = False  # SGLang's: keep in GPU memory; the built-in engine keeps every adapter resident
+
+
+class UnloadLoraIn(Strict):
+    lora_name: str = Field(min_length=1)
 
 
 class ChatMessage(BaseModel):

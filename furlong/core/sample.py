@@ -9,8 +9,11 @@ not three stages later as a shape error inside the loss.
 
 from __future__ import annotations
 
+import base64
 import json
 import math
+import sys
+from array import array
 from dataclasses import asdict, dataclass, field, fields
 from enum import Enum
 from typing import Any
@@ -54,7 +57,7 @@ class Sample:
     label: Any = None
     metadata: dict[str, Any] = field(default_factory=dict)
     teacher_logprobs: list[float] | None = None
-    routed_experts: list[list[list[int]]] | None = None  # [token][layer][k]
+    routed_experts: dict[str, Any] | None = None  # R3: `encode_routes` form; a route per token but the last
 
     # ---- derived views -------------------------------------------------
     @property
@@ -123,8 +126,6 @@ class Sample:
         }
         if self.teacher_logprobs is not None:
             per_token["teacher_logprobs"] = self.teacher_logprobs
-        if self.routed_experts is not None:
-            per_token["routed_experts"] = self.routed_experts
         for name, values in per_token.items():
             if len(values) != r:
                 raise SampleError(f"sample {self.index}: len({name})={len(values)} != response_length={r}")
@@ -138,6 +139,13 @@ class Sample:
             raise SampleError(f"sample {self.index}: rollout_logprobs must be finite and <= 0")
         if any(t < 0 for t in self.tokens):
             raise SampleError(f"sample {self.index}: tokens holds a negative id")
+        if self.routed_experts is not None:
+            shape = decode_routes(self.routed_experts, f"sample {self.index}: routed_experts")[0]
+            if shape[0] > len(self.tokens) - 1:  # fewer is fine: tokens appended since route afresh in training
+                raise SampleError(
+                    f"sample {self.index}: routed_experts covers {shape[0]} positions, more than len(tokens) - 1 = "
+                    f"{len(self.tokens) - 1} (every token but the last, which no forward has consumed)"
+                )
         Status(self.status)
         return self
 
@@ -163,3 +171,60 @@ class Sample:
     @classmethod
     def from_json(cls, text: str) -> Sample:
         return cls.from_dict(json.loads(text))
+
+
+# ---- R3 routes ----------------------------------------------------------
+# Expert ids stored one small int each (base64 in JSON): uint8 when every id is below 255, else int16.
+# The dtype's largest value marks a position the engine did not record (the trainer routes it afresh).
+ROUTE_DTYPES = {"uint8": ("B", 255), "int16": ("h", 32767)}  # array typecode, the "no route" id
+
+
+def encode_routes(routes: list[list[list[int]] | None]) -> dict[str, Any]:
+    """`[position][layer][k]` expert ids (a position may be None) -> the compact form `Sample.routed_experts` holds.
+
+    `{"dtype", "shape": [positions, layers, k], "data": base64}`: one byte per id where a JSON list takes
+    about three characters and a comma; a sample stays readable JSON and round-trips exactly.
+    """
+    known = [r for r in routes if r is not None]
+    layers, k = (len(known[0]), len(known[0][0])) if known and known[0] else (0, 0)
+    top = max((e for r in known for layer in r for e in layer), default=0)
+    dtype = "uint8" if top < ROUTE_DTYPES["uint8"][1] else "int16"
+    code, missing = ROUTE_DTYPES[dtype]
+    flat = array(code)
+    for p, r in enumerate(routes):
+        if r is None:
+            flat.extend([missing] * (layers * k))
+            continue
+        if len(r) != layers or any(len(ids) != k for ids in r):
+            raise SampleError(f"routed_experts: position {p} is not [{layers} layers][{k}] ids")
+        for ids in r:
+            flat.extend(ids)
+    if sys.byteorder == "big":  # stored little-endian
+        flat.byteswap()
+    return {"dtype": dtype, "shape": [len(routes), layers, k], "data": base64.b64encode(flat.tobytes()).decode()}
+
+
+def decode_routes(blob: dict[str, Any], where: str = "routed_experts") -> tuple[list[int], array]:
+    """(shape, the flat little-endian ids) of an `encode_routes` blob; raises SampleError naming `where`."""
+    try:
+        code, _ = ROUTE_DTYPES[blob["dtype"]]
+        shape = [int(n) for n in blob["shape"]]
+        flat = array(code, base64.b64decode(blob["data"], validate=True))
+    except (KeyError, TypeError, ValueError) as e:  # binascii.Error is a ValueError
+        raise SampleError(f"{where}: not an encode_routes blob ({type(e).__name__}: {e})") from None
+    if len(shape) != 3 or len(flat) != shape[0] * shape[1] * shape[2]:
+        raise SampleError(f"{where}: shape {shape} does not match {len(flat)} stored ids")
+    if sys.byteorder == "big":
+        flat.byteswap()
+    return shape, flat
+
+
+def routes_as_lists(blob: dict[str, Any]) -> list[list[list[int]] | None]:
+    """The `[position][layer][k]` lists (None: not recorded) an `encode_routes` blob holds."""
+    (n, layers, k), flat = decode_routes(blob)
+    missing = ROUTE_DTYPES[blob["dtype"]][1]
+    out: list[list[list[int]] | None] = []
+    for p in range(n):
+        row = flat[p * layers * k : (p + 1) * layers * k]
+        out.append(None if layers and row[0] == missing else [list(row[i * k : (i + 1) * k]) for i in range(layers)])
+    return out

@@ -9,7 +9,7 @@ from furlong.data.source import DataSource
 from furlong.data.tasks import get_task
 
 if TYPE_CHECKING:
-    from furlong.config.schema import Config, DataConfig
+    from furlong.config.schema import Config, DataConfig, MixTask
 
 
 def _file(d: DataConfig, path: str) -> Dataset:
@@ -33,6 +33,27 @@ def _as_chat(prompts: list[Prompt]) -> list[Prompt]:
     ]
 
 
+def _mix(cfg: Config, split: str, n: int) -> list[Prompt]:
+    """`data.mix`: `n` prompts of each task, interleaved (a, b, a, b, ...), re-indexed, each tagged with its
+    task's adapter in `metadata["adapter"]` (what the rollout sends as `lora_path` and the trainer groups by)."""
+    parts = [_mix_part(cfg, m, split, n) for m in cfg.data.mix]
+    out: list[Prompt] = []
+    for i in range(n):
+        for part in parts:
+            p = part[i]
+            out.append(Prompt(len(out), p.prompt, p.label, p.metadata))
+    return out
+
+
+def _mix_part(cfg: Config, m: MixTask, split: str, n: int) -> list[Prompt]:
+    d, seed = cfg.data, cfg.seed + (split == "eval")
+    made = get_task(m.task).make(
+        split, n, seed=seed, difficulty=m.difficulty or d.difficulty, chat=d.apply_chat_template
+    )
+    tag = {"adapter": m.adapter} if m.adapter is not None else {}
+    return [Prompt(p.index, p.prompt, p.label, {**p.metadata, **tag}) for p in made]
+
+
 def build_data(cfg: Config) -> tuple[DataSource, list[Prompt]]:
     """(train DataSource, eval prompts). Synthetic tasks put their name in each prompt's metadata,
     which is how the default reward finds its scorer.
@@ -42,7 +63,9 @@ def build_data(cfg: Config) -> tuple[DataSource, list[Prompt]]:
     """
     d = cfg.data
     chat = d.apply_chat_template
-    if d.path:
+    if d.mix:
+        train = _mix(cfg, "train", -(-(d.n_train or 20000) // len(d.mix)))  # n_train and n_eval: in all
+    elif d.path:
         train = list(_file(d, d.path))
         if chat:
             train = _as_chat(train)
@@ -50,7 +73,9 @@ def build_data(cfg: Config) -> tuple[DataSource, list[Prompt]]:
         train = list(
             get_task(d.task).make("train", d.n_train or 20000, seed=cfg.seed, difficulty=d.difficulty, chat=chat)
         )
-    if d.eval_path:
+    if d.mix:
+        evals = _mix(cfg, "eval", -(-d.n_eval // len(d.mix)))
+    elif d.eval_path:
         evals = list(_file(d, d.eval_path))
         evals = _as_chat(evals) if chat else evals
     elif d.eval_task or d.task:

@@ -104,7 +104,12 @@ def start_ray(cfg: Config) -> None:
     """Ray, local or `cluster.address`; in the main thread (Ray's signal handlers need it)."""
     from furlong.cluster.topology import bundles_needed, init_ray
 
-    init_ray(cfg.cluster, bundles_needed(cfg.cluster, cfg.train.world_size, cfg.engine.num_engines))
+    init_ray(cfg.cluster, bundles_needed(cfg.cluster, cfg.train.world_size, cfg.engine.num_engines + eval_engines(cfg)))
+
+
+def eval_engines(cfg: Config) -> int:
+    """The engines `rollout.eval_mode=dedicated` starts beside the training ones (0 in any other mode)."""
+    return cfg.engine.eval_num_engines if cfg.rollout.eval_mode == "dedicated" else 0
 
 
 def topology(cfg: Config, run_dir: Path, model: str, admin_token: str, plugs: dict[str, Any]) -> Topology:
@@ -112,7 +117,8 @@ def topology(cfg: Config, run_dir: Path, model: str, admin_token: str, plugs: di
     from furlong.cluster.topology import Topology, threads_per_process
 
     spec = trainer_spec(cfg, model, plugs)
-    threads = threads_per_process(cfg.cluster, cfg.train.world_size, cfg.engine.num_engines, cfg.rollout.mode)
+    n_eval = eval_engines(cfg)
+    threads = threads_per_process(cfg.cluster, cfg.train.world_size, cfg.engine.num_engines + n_eval, cfg.rollout.mode)
     return Topology.start(
         cluster=cfg.cluster,
         engine=cfg.engine,
@@ -122,6 +128,7 @@ def topology(cfg: Config, run_dir: Path, model: str, admin_token: str, plugs: di
         admin_token=admin_token,
         threads=threads,
         weights=cfg.weights,
+        eval_engines=n_eval,
     )
 
 
@@ -275,12 +282,7 @@ def teacher_engine(cfg: Config, run_dir: Path, admin_token: str) -> tuple[Any, s
     """On-policy distillation's teacher: one engine serving `algo.teacher_path`, no router; (actor, url).
 
     It only scores (prompt log-probs over the student's tokens), so it takes no weight syncs."""
-    import ray
-
-    from furlong.cluster.actors import ProcessActor
-    from furlong.cluster.launchers import engine_command
     from furlong.cluster.topology import threads_per_process
-    from furlong.core.net import free_port
 
     teacher = Path(str(cfg.algo.teacher_path)).expanduser()
     if not (teacher / "config.json").is_file():  # checked at start: a recipe names the teacher a run trains first
@@ -290,12 +292,53 @@ def teacher_engine(cfg: Config, run_dir: Path, admin_token: str) -> tuple[Any, s
         )
     _same_vocab(str(teacher), model_dir(cfg.model))
     threads = threads_per_process(cfg.cluster, cfg.train.world_size, cfg.engine.num_engines + 1, cfg.rollout.mode)
+    return _engine_process(cfg, "teacher-0", str(cfg.algo.teacher_path), run_dir, admin_token, threads)
+
+
+def sft_eval_engines(cfg: Config, run_dir: Path, model: str, admin_token: str) -> list[tuple[Any, str]]:
+    """An `algo.name=sft` run's `rollout.eval_mode=dedicated` engines: `engine.eval_num_engines` serving the
+    policy, no router and no rollout engine; [(actor, url)]. They start on the base model; the SFT loop pushes
+    the trainer's weights before each generation eval."""
+    from furlong.cluster.topology import threads_per_process
+
+    n = eval_engines(cfg)
+    threads = threads_per_process(cfg.cluster, cfg.train.world_size, n, "sync")
+    started: list[tuple[Any, str]] = []
+    try:
+        for j in range(n):
+            started.append(_engine_process(cfg, f"eval-engine-{j}", model, run_dir, admin_token, threads))
+    except BaseException:
+        stop_engines([a for a, _ in started])
+        raise
+    return started
+
+
+def stop_engines(actors: list[Any]) -> None:
+    """Stop engine processes started outside a topology (best effort, then kill the actors)."""
+    import ray
+
+    for actor in actors:
+        try:
+            ray.get(actor.stop.remote(), timeout=20)
+        except Exception:  # noqa: BLE001 - a dead engine has nothing left to stop
+            pass
+        ray.kill(actor)
+
+
+def _engine_process(
+    cfg: Config, name: str, model: str, run_dir: Path, admin_token: str, threads: int
+) -> tuple[Any, str]:
+    """One `furlong serve` process of `model` outside the topology (logs/<name>.log); (actor, url)."""
+    import ray
+
+    from furlong.cluster.actors import ProcessActor
+    from furlong.cluster.launchers import engine_command
+    from furlong.core.net import free_port
+
     port = free_port()
-    argv = engine_command(
-        cfg.engine, model_dir=str(cfg.algo.teacher_path), port=port, admin_token=admin_token, threads=threads
-    )
+    argv = engine_command(cfg.engine, model_dir=model, port=port, admin_token=admin_token, threads=threads)
     actor = ProcessActor.options(num_cpus=0).remote(
-        "teacher-0", argv, port, str(Path(run_dir) / "logs" / "teacher-0.log"), threads
+        name, argv, port, str(Path(run_dir) / "logs" / f"{name}.log"), threads
     )
     try:
         return actor, ray.get(actor.start.remote())

@@ -64,7 +64,7 @@ class Run:
         self.cfg, self.resume, self.progress = cfg, resume, progress
         self.given_top = topology
         self.teacher = self.teacher_actor = None  # on-policy distillation's teacher engine (algo.teacher_path)
-        self.background = None  # rollout.eval_mode=async: the eval running beside training
+        self.background = None  # rollout.eval_mode=async | dedicated: the eval running beside training
         self.run_dir = Path(cfg.run_dir)
         self.version = WeightVersion(0)
         self.step = 0
@@ -166,15 +166,20 @@ class Run:
             self.plugs,
             self.supervisor.wait_serving,
         )
-        if cfg.rollout.eval_mode == "async":
-            from furlong.driver.eval_loop import BackgroundEval
+        if cfg.rollout.eval_mode != "blocking":  # beside training: through the router, or on its own engines
+            from furlong.driver.eval_loop import BackgroundEval, PriorityClient
 
-            eval_client = EngineClient(self.top.router_url, admin_token=self.token)
-            self.background = BackgroundEval(self.manager, eval_client, self.version)
+            dedicated = cfg.rollout.eval_mode == "dedicated"
+            urls = self.top.eval_engine_urls if dedicated else [self.top.router_url]
+            if not urls:
+                raise ValueError("rollout.eval_mode=dedicated: the given topology started no eval engines")
+            eval_client = PriorityClient([EngineClient(u, admin_token=self.token) for u in urls])
+            sync = self.supervisor.sync_eval_engines if dedicated else None
+            self.background = BackgroundEval(self.manager, eval_client, self.version, sync)
         self.supervisor.start()  # engine health, replacement, tolerant syncs
         self.engine_stats = EngineStats(self.top.engine_urls)
         self.timeline = build.timeline(cfg, self.log.store, self.top, self.model_dir)
-        if self.given_top is not None and not self.resume:  # the engines still hold the previous run's weights
+        if (self.given_top is not None and not self.resume) or cfg.train.lora.adapters:  # or lack the adapters
             await self._sync_weights(0)
 
     async def _sync_weights(self, version: int) -> dict[str, float]:
@@ -203,7 +208,10 @@ class Run:
     async def evaluate(self, label: str) -> dict[str, float]:
         if not self.evals:
             return {}
-        metrics = await self.manager.evaluate(self.step)
+        if self.background is not None and self.background.sync is not None:  # dedicated: on the eval engines
+            metrics = await self.background.now(self.step)
+        else:
+            metrics = await self.manager.evaluate(self.step)
         self.log.note(f"eval ({label}): " + " ".join(f"{k}={v:.3f}" for k, v in sorted(metrics.items())))
         return metrics
 
@@ -255,11 +263,11 @@ class Run:
             }
         )
         t_eval = time.time()
-        if self.background is not None:  # rollout.eval_mode=async: a finished eval, and maybe start the next
+        if self.background is not None:  # eval_mode=async | dedicated: a finished eval, and maybe start the next
             ev = self.background.collect()
             every = self.cfg.rollout.eval_every
             if self.evals and every and step % every == 0:
-                self.background.start(step)
+                await self.background.start_synced(step)  # dedicated: its engines get this step's weights first
         else:
             ev = await self.manager.maybe_evaluate(step)
         if ev:
@@ -313,12 +321,24 @@ class Run:
 
     async def _restore(self) -> None:
         """Load the newest checkpoint that loads (older ones on failure, with a warning); rewind the logs to it."""
+        state = await self.load_newest()
+        if state is None:
+            return
+        self.manager.load_state_dict(state["rollout"])
+        self.version.restore(state["version"])
+        await self._sync_weights(state["version"])
+        await self.manager.on_weights_updated(state["version"])
+
+    async def load_newest(self) -> dict[str, Any] | None:
+        """The trainer loaded from the newest checkpoint that loads, the logs rewound to its step and `self.step`
+        set; its driver state (the caller restores the rest). None, and `resume` off, when none is complete yet.
+        Shared by the RL path and `algo.name=sft` (`sft_run.py`)."""
         found = complete_checkpoints(self.run_dir)
         if not found:
             self.log.note("no complete checkpoint yet: starting from step 0")
             self.resume = False
             self.log.rewind(0)
-            return
+            return None
         state, errors = None, []
         for ckpt in reversed(found):
             try:
@@ -332,13 +352,10 @@ class Run:
         if state is None:
             raise RunStopped("no checkpoint of this run loads:\n  " + "\n  ".join(errors))
         self.log.rewind(state["step"])  # the steps after it run again: their rows must not appear twice
-        self.manager.load_state_dict(state["rollout"])
         self.log.load_state_dict(state.get("log", {}))
         self.step = state["step"]
-        self.version.restore(state["version"])
-        await self._sync_weights(state["version"])
-        await self.manager.on_weights_updated(state["version"])
         self.log.note(f"resumed from {ckpt} at step {self.step}")
+        return state
 
     async def _load_checkpoint(self, ckpt: Path) -> dict[str, Any]:
         """The driver state of `ckpt`, the trainer loaded from it; only a checkpoint inside this run's directory."""

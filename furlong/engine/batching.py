@@ -17,8 +17,11 @@ what the same request would produce alone.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
+from furlong.engine.adapters import lora_groups
 from furlong.engine.kv_cache import BlockPool
 from furlong.engine.model import Batch, Prefill
 from furlong.engine.request import Request
@@ -59,6 +62,33 @@ def tail_copies(prefill: list[Request], block_size: int) -> tuple[list[int], lis
     return src, dst
 
 
+@dataclass
+class PrefillPlan:
+    """Every fresh (no cached prefix) prompt chunk padded into one [P, Lm] batch for one attention call.
+
+    Built here, on the host, from the chunks' Python lengths: the forward then only indexes with
+    these tensors, never turns a device value into a shape (a boolean mask index would: a host sync)."""
+
+    idx: torch.Tensor  # [P, Lm] flat batch index of each padded position (0 where padded)
+    mask: torch.Tensor  # [P, 1, Lm, Lm] causal, and never a padded key
+    src: torch.Tensor  # [n] the valid positions, as indices into the flattened [P * Lm]
+    dst: torch.Tensor  # [n] their flat batch indices
+
+
+def prefill_plan(prefills: list[Prefill]) -> PrefillPlan | None:
+    fresh = [p for p in prefills if p.cached == 0]
+    if not fresh:
+        return None
+    Lm = max(p.n for p in fresh)
+    ar = torch.arange(Lm)
+    valid = ar[None, :] < torch.tensor([p.n for p in fresh])[:, None]
+    idx = torch.where(valid, torch.tensor([p.start for p in fresh])[:, None] + ar[None, :], 0)
+    mask = (ar[None, :] <= ar[:, None])[None] & valid[:, None, :]
+    src = torch.tensor([i * Lm + j for i, p in enumerate(fresh) for j in range(p.n)])
+    dst = torch.tensor([p.start + j for p in fresh for j in range(p.n)])
+    return PrefillPlan(idx, mask[:, None], src, dst)
+
+
 def slots(req: Request, start: int, end: int, block_size: int) -> torch.Tensor:
     """Pool slots of `req`'s token positions [start, end)."""
     pos = torch.arange(start, end)
@@ -83,10 +113,11 @@ def build_batch(
         last_rows.append(i)
     D = len(decode)
     decode_blocks = lens = None
+    lens_host = [r.n_cached + 1 for r in decode]
     write = []
     if D:
-        lens = torch.tensor([r.n_cached + 1 for r in decode])
-        nb = -(-int(lens.max()) // bs)
+        lens = torch.tensor(lens_host)
+        nb = -(-max(lens_host) // bs)
         bt = torch.tensor([(r.blocks + [0] * nb)[:nb] for r in decode])
         decode_blocks = bt
         last = lens - 1
@@ -127,5 +158,8 @@ def build_batch(
         token_seq=seq_of,
         seq_tokens=seqs,
         want_routes=any(r.return_routed_experts for r in decode + prefill),
+        decode_lens_host=lens_host,
+        prefill_plan=prefill_plan(prefills),
+        lora=lora_groups(decode + prefill, seq_of, rows),
     )
     return batch, last_rows, prompt_rows

@@ -18,7 +18,18 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=30000)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument(
+        "--quantization",
+        default="none",
+        choices=["none", "fp8", "mxfp8", "nvfp4", "int4"],
+        help="hold the dense projections as codes + scales in this format (engine.quantization)",
+    )
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N (auto: cuda:0 when visible, else cpu)")
+    p.add_argument(
+        "--cuda-graphs",
+        action="store_true",
+        help="replay decode steps as CUDA graphs, one per batch-size bucket (engine.cuda_graphs; CUDA only)",
+    )
     p.add_argument("--kv-cache-mb", type=int, default=256, help="KV cache budget in MiB")
     p.add_argument("--max-running", type=int, default=64, help="most sequences decoded together")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
@@ -79,6 +90,8 @@ def main(argv: list[str] | None = None) -> int:
             max_context=args.max_context,
             prefix_cache=args.prefix_cache,
             device=args.device,
+            cuda_graphs=args.cuda_graphs,
+            quantization=args.quantization,
         )
     except ValueError as e:
         parser().error(str(e))

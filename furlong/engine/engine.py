@@ -31,11 +31,12 @@ import torch
 from furlong.core import profiling, spans
 from furlong.core.api import PAUSE_MODES
 from furlong.data.chat import stop_token_ids
+from furlong.engine import graphs
 from furlong.engine.batching import build_batch, can_lead, fork, tail_copies
-from furlong.engine.device import batch_to, resolve_device
+from furlong.engine.device import resolve_device, run_forward
 from furlong.engine.kv_cache import BlockPool
 from furlong.engine.model import Batch, build_model
-from furlong.engine.request import Request, result
+from furlong.engine.request import Request, admission_order, result
 from furlong.engine.sampler import sample
 from furlong.models.loading import check_model_dir, load_tokenizer
 
@@ -74,10 +75,14 @@ class Engine:
         max_context: int | None = None,
         prefix_cache: bool = True,
         device: str = "auto",
+        quantization: str = "none",
+        cuda_graphs: bool = False,
     ):
         """`max_context` caps prompt + output tokens per request (None: the model's max positions; it can
         only shrink the window the model was trained for). `prefix_cache=False` computes every prompt in full.
-        `device`: `engine.device` (auto | cpu | cuda[:N], see `engine.device`); weights and KV pool live there."""
+        `device`: `engine.device` (auto | cpu | cuda[:N], see `engine.device`); weights and KV pool live there.
+        `quantization`: `engine.quantization` (none | fp8 | mxfp8 | nvfp4 | int4, `engine/quantized.py`).
+        `cuda_graphs`: `engine.cuda_graphs`, replay decode steps as CUDA graphs (`engine/graphs.py`; CUDA only)."""
         from transformers import AutoModelForCausalLM
 
         if dtype not in ("float32", "bfloat16", "float16"):
@@ -87,6 +92,7 @@ class Engine:
         self.model_path = str(model_path)
         self.dtype = dtype
         self.device = resolve_device(device)  # before loading: a missing GPU fails here, naming engine.device
+        graphs.require_cuda(cuda_graphs, self.device)
         # Checked first, so a missing config, shard or tokenizer file is named (not a hub lookup error).
         self.tokenizer = load_tokenizer(check_model_dir(self.model_path))
         self.hf = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=getattr(torch, dtype)).eval()
@@ -107,13 +113,14 @@ class Engine:
         num_blocks = int(kv_cache_mb * 2**20 // (bytes_per_token * block_size))
         self.pool = BlockPool(num_blocks, block_size, prefix_cache=prefix_cache)
         with self.device:  # the KV pool is allocated where the weights are
-            self.model = build_model(self.hf, num_blocks, block_size, backend)
+            self.model = build_model(self.hf, num_blocks, block_size, backend, quantization)
         self.backend = type(self.model).__name__
         eos = self.hf.generation_config.eos_token_id if self.hf.generation_config else None
         eos = eos if eos is not None else cfg.eos_token_id
         # The generation config's EOS ids plus the chat template's end of turn (a config may list only EOS).
         self.eos_ids = set(stop_token_ids(self.tokenizer, eos))
         self.max_running = max_running
+        self.graphs = graphs.for_engine(self, cuda_graphs)  # None unless engine.cuda_graphs
         self.max_prefill_tokens = max_prefill_tokens
         self.weight_version = 0
         self.waiting: deque[Request] = deque()
@@ -130,6 +137,7 @@ class Engine:
             "weight_updates_total": 0,
             "prefills_total": 0,  # prompts computed (a forked sample of one is not)
             "forked_prefills_total": 0,  # samples that shared another request's prefill
+            "low_priority_requests_total": 0,  # requests with priority < 0 (held-out eval: rollout.eval_mode)
         }
         self._commands: queue.Queue[tuple[Callable[[], Any], Future]] = queue.Queue()
         self._serial = 0  # numbers requests, so the model can tell its decoding set did not change
@@ -246,6 +254,8 @@ class Engine:
         req.generator = req.params.generator()
         self._serial += 1
         req.serial = self._serial
+        req.arrival_step = self.stats["steps_total"]
+        self.stats["low_priority_requests_total"] += req.priority < 0
         if req.params.max_new_tokens == 0:
             self._finish(req, {"type": "length", "length": 0})
             return
@@ -313,6 +323,7 @@ class Engine:
             victim = decode.pop()  # youngest; may be r itself
             self._retract(victim)
             self.stats["preemptions_total"] += 1
+        admission_order(self.waiting, self.stats["steps_total"])  # request priority, with aging
         prefill, budget = [], self.max_prefill_tokens
         leaders: dict[tuple[int, ...], Request] = {}  # prompt -> the request prefilling it this step
         while self.waiting and len(decode) + len(prefill) < self.max_running:
@@ -362,12 +373,7 @@ class Engine:
         batch, last_rows, prompt_rows = build_batch(
             decode, prefill, self.pool.block_size, getattr(self.model, "needs_tokens", False)
         )
-        if self.device.type == "cpu":
-            logits, routes = self.model.forward(batch)
-        else:  # one copy per batch tensor in, the logits out; sampling stays on the host (engine/device.py)
-            with self.device:
-                logits, routes = self.model.forward(batch_to(batch, self.device))
-            logits, routes = logits.cpu(), (None if routes is None else routes.cpu())
+        logits, routes = run_forward(self.model, batch, self.device, self.graphs)  # engine/device.py
         self.stats["steps_total"] += 1
         src, dst = tail_copies(prefill, self.pool.block_size)
         if src and hasattr(self.model, "copy_blocks"):
@@ -464,7 +470,7 @@ class Engine:
         from furlong.engine.weight_update import apply_named_tensors
 
         t0 = time.time()
-        apply_named_tensors(self.hf, named)
+        apply_named_tensors(self.hf, named, getattr(self.model, "quant", None))
         if hasattr(self.model, "refresh"):
             self.model.refresh(named.keys(), defer=version is None)  # packed once per sync: its stamped last bucket
         self.pool.flush()

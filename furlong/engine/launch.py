@@ -43,6 +43,8 @@ def engine_argv(
     threads: int,
     admin_token: str,
     device: str = "auto",
+    quantization: str = "none",
+    cuda_graphs: bool = False,
 ) -> Command:
     """The argv (and environment: the admin token) that starts one engine server of `backend`.
 
@@ -73,6 +75,10 @@ def engine_argv(
             argv.append("--no-prefix-cache")
         if device != "auto":
             argv += ["--device", device]
+        if quantization != "none":
+            argv += ["--quantization", quantization]
+        if cuda_graphs:
+            argv.append("--cuda-graphs")
         return Command(argv, token_env(admin_token))
     if backend == "sglang":
         from furlong.engine import sglang

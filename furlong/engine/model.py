@@ -15,13 +15,23 @@ HF forward over the whole padded sequences each step; no KV pool is used.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
+from furlong.engine.adapters import Adapters
+from furlong.engine.attention import decode_attention, decode_mask, prefill_attention
 from furlong.engine.decode_rows import DecodeRows
+from furlong.engine.moe import moe, pick_experts
+from furlong.engine.quantized import QuantizedWeights, QuantProj
+
+if TYPE_CHECKING:
+    from furlong.engine.batching import PrefillPlan
+    from furlong.engine.decode_rows import DecodePlan
 
 NATIVE_ARCHS = {"qwen2", "qwen3", "llama", "mistral", "qwen3_moe", "mixtral"}
 MOE_ARCHS = {"qwen3_moe", "mixtral"}  # top-k routed experts stored as [E, 2*ffn, hidden] / [E, hidden, ffn]
@@ -118,12 +128,20 @@ class Batch:
     token_seq: list[int] = field(default_factory=list)  # flat index -> index into `seq_tokens`
     seq_tokens: list[list[int]] = field(default_factory=list)  # full ids per sequence (fallback only)
     want_routes: bool = False
+    # Host-side metadata (Python ints, built by the scheduler): the forward reads lengths from these, never from
+    # a device tensor, so it never waits for the device (`engine/device.py`).
+    decode_lens_host: list[int] = field(default_factory=list)  # = decode_lens
+    prefill_plan: PrefillPlan | None = None  # fresh prompt chunks padded into one attention call (`batching`)
+    decode_plan: DecodePlan | None = None  # decode rows of this step, set by `NativeModel.prepare` on the host
+    lora: list[tuple[str | None, list[int], list[int]]] = field(default_factory=list)  # adapters.lora_groups
 
 
 class NativeModel:
     """Flat batched forward for Qwen2/3, Llama, Mistral, Qwen3-MoE and Mixtral over a paged KV pool."""
 
-    def __init__(self, hf_model, num_blocks: int, block_size: int):
+    def __init__(self, hf_model, num_blocks: int, block_size: int, quantization: str = "none"):
+        """`quantization` (`engine.quantization`): none, or the format the dense projections are held in
+        (codes + scales, `furlong/engine/quantized.py`); lm_head, embeddings, norms and MoE experts stay dense."""
         cfg = hf_model.config
         self.hf = hf_model
         self.cfg = cfg
@@ -143,9 +161,13 @@ class NativeModel:
         self.is_moe = self.arch in MOE_ARCHS
         # oneDNN packing is a CPU kernel; on a GPU the forward multiplies by the HF weights themselves.
         self.linear, self._pack = pick_linear(dtype) if self.k_pool[0].is_cpu else (F.linear, lambda w: w)
+        # Before the keys are built: quantised projections are held as codes + scales, never fused or packed.
+        self.quant = QuantizedWeights(hf_model, quantization) if quantization != "none" else None
         # Dense weights by key ("3.qkv", "lm_head", ...): (source tensor, the HF parameters it reads).
         self.sources: dict[str, tuple[torch.Tensor, list[torch.Tensor]]] = {}
         self.bias: dict[str, torch.Tensor | None] = {}  # by key: the HF bias the projection adds (None: none)
+        # What the forward multiplies by: packed (oneDNN) or the source itself; a QuantProj when quantised.
+        self.w: dict[str, torch.Tensor | QuantProj] = {}
         for li, layer in enumerate(self.layers):
             at, mlp = layer.self_attn, layer.mlp
             self._add_group(li, "qkv", (("q", at.q_proj), ("k", at.k_proj), ("v", at.v_proj)))
@@ -154,19 +176,26 @@ class NativeModel:
                 self._add_group(li, "gate_up", (("gate", mlp.gate_proj), ("up", mlp.up_proj)))
                 self._add(f"{li}.down", mlp.down_proj)
         self._add("lm_head", hf_model.lm_head)
-        self.w: dict[str, torch.Tensor] = {}  # what the forward multiplies by: packed (oneDNN) or the source itself
+        if self.quant is not None:
+            self.quant.check_all_used()
         self.refresh()
         self.decode_kv: DecodeRows | None = None
+        self.adapters = Adapters(self)  # LoRA adapters served per request (engine/adapters.py)
 
     def _add(self, key: str, module, source: torch.Tensor | None = None, parts: list | None = None) -> None:
-        self.sources[key] = (module.weight if source is None else source, [m.weight for m in parts or [module]])
+        quantised = self.quant.proj(module) if self.quant is not None else None
+        if quantised is not None:
+            self.w[key] = quantised  # updated in place by a sync: nothing to re-pack
+        else:
+            self.sources[key] = (module.weight if source is None else source, [m.weight for m in parts or [module]])
         self.bias[key] = getattr(module, "bias", None)
 
     def _add_group(self, li: int, fused_key: str, named: tuple) -> None:
         """Fuse bias-free projections that read the same input (q|k|v, gate|up) under one key; biased ones
         (Qwen2's qkv, Llama's mlp_bias) stay one key each ("3.q", "3.k", ...)."""
         modules = [m for _, m in named]
-        fused = _fuse(*modules)
+        quantised = self.quant is not None and any(self.quant.holds(m) for m in modules)
+        fused = None if quantised else _fuse(*modules)  # quantised weights stay one per HF parameter
         if fused is not None:
             self._add(f"{li}.{fused_key}", modules[0], fused, modules)
         else:
@@ -179,7 +208,9 @@ class NativeModel:
         Why one method: it is the single place where what a linear computes can change — a weight
         stored in a low-precision format, or a per-request adapter added to the output — without
         touching the attention and MLP code around it."""
-        return self.linear(x, self.w[key], self.bias[key])
+        w = self.w[key]  # a QuantProj under engine.quantization: codes + scales, dequantised per block
+        y = self.linear(x, w, self.bias[key]) if isinstance(w, torch.Tensor) else w(x, self.bias[key])
+        return self.adapters.add(key, x, y) if self.adapters.plan else y
 
     def refresh(self, names=None, defer: bool = False) -> None:
         """Re-pack the weights that read the named HF parameters (all when `names` is None), after an update.
@@ -203,13 +234,18 @@ class NativeModel:
         self._dirty = set()
 
     def release(self) -> None:
-        """Drop the decode rows (the scheduler calls this when nothing is running)."""
-        self.decode_kv = None
+        """Drop the decode rows (the scheduler calls this when nothing is running). Under CUDA graphs
+        (`keep_decode_rows`) keep their storage, which the captured graphs read in place, and forget
+        only who sat where, so the next requests are gathered from the pool and no graph is recaptured."""
+        if self.decode_kv is not None and getattr(self, "keep_decode_rows", False):
+            self.decode_kv.row_of = {}
+        else:
+            self.decode_kv = None
 
     def copy_blocks(self, src: list[int], dst: list[int]) -> None:
         """Copy whole KV blocks, every layer: a forked sample's partial prompt block from its leader's."""
-        dev = self.k_pool[0].device
-        s, d = torch.tensor(src, device=dev), torch.tensor(dst, device=dev)
+        dev = self.k_pool[0].device  # non-blocking: a pageable host-to-device copy does not wait for the device
+        s, d = torch.tensor(src).to(dev, non_blocking=True), torch.tensor(dst).to(dev, non_blocking=True)
         for kb, vb in zip(self.k_pool, self.v_pool):
             kb[d] = kb[s]
             vb[d] = vb[s]
@@ -222,152 +258,105 @@ class NativeModel:
         """HF's `x * cos + rotate_half(x) * sin`, with rotate_half as a roll and its sign folded into sin."""
         return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), sin_signed)
 
-    def _moe(self, mlp, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Top-k routed experts, computed like HF's Qwen3-MoE / Mixtral blocks; returns (out, topk ids).
+    @functools.cached_property
+    def experts_kind(self) -> str:
+        """How MoE blocks compute (`engine.moe.pick_experts`: grouped GEMM or dense), probed once."""
+        return pick_experts(self.k_pool[0].dtype, self.k_pool[0].device)
 
-        Mixtral's router always renormalises the top-k weights (it has no `norm_topk_prob`)."""
-        gate = mlp.gate
-        probs = torch.softmax(F.linear(x, gate.weight), dim=-1, dtype=torch.float)  # as HF: routing must match it
-        top_w, top_i = torch.topk(probs, gate.top_k, dim=-1)
-        if getattr(gate, "norm_topk_prob", True):
-            top_w = top_w / top_w.sum(dim=-1, keepdim=True)
-        top_w = top_w.to(x.dtype)
-        experts = mlp.experts
-        out = torch.zeros_like(x)
-        for e in torch.unique(top_i).tolist():
-            tok, k = torch.where(top_i == e)
-            g, u = self.linear(x[tok], experts.gate_up_proj[e]).chunk(2, dim=-1)
-            h = self.linear(F.silu(g) * u, experts.down_proj[e]) * top_w[tok, k, None]
-            out.index_add_(0, tok, h)
-        return out, top_i
+    def prepare(self, b: Batch) -> None:
+        """On the host, before the batch moves to the device: assign this step's decode rows (`b.decode_plan`).
 
-    def _decode_plan(self, b: Batch, dtype: torch.dtype) -> tuple:
-        """This step's decode rows: (rows, inverse order or None, fill batch idx, fill rows, mask, last, L)."""
-        dec = self.decode_kv or DecodeRows(len(self.layers), self.n_kv, self.head_dim, self.k_pool[0].dtype)
-        self.decode_kv = None  # set again only if this forward completes
-        lens = b.decode_lens.tolist()
-        rows, fill_i, fill_r = dec.assign(b.decode_keys, lens)
-        D, L = len(lens), max(lens)
-        inv = None if fill_r == list(range(D)) or torch.equal(rows, torch.arange(D)) else torch.argsort(rows)
-        row_lens = b.decode_lens if inv is None else b.decode_lens[inv]  # attention runs in row order
-        mask = torch.zeros(D, 1, 1, L, dtype=dtype).masked_fill_(
-            (torch.arange(L)[None, :] >= row_lens[:, None])[:, None, None, :], float("-inf")
-        )
-        return dec, (rows, inv, torch.tensor(fill_i), torch.tensor(fill_r), mask, b.decode_lens - 1, L)
+        Why here and not in the forward: the row bookkeeping is Python state, and index tensors made
+        from it inside the forward would be blocking host-to-device copies; made here they travel with
+        the batch (`device.batch_to`, one non-blocking copy each)."""
+        if self.is_moe:
+            self.experts_kind  # noqa: B018 - the one-off probe runs here, not inside the first forward
+        if not b.n_decode:
+            return
+        dec, self.decode_kv = self.decode_kv, None  # set again only if this step completes
+        if dec is None:
+            pool = self.k_pool[0]
+            dec = DecodeRows(len(self.layers), self.n_kv, self.head_dim, pool.dtype, pool.device)
+        b.decode_plan = dec.plan(b.decode_keys, b.decode_lens_host)
+        self.decode_kv = dec
 
-    def _decode_attention(self, li: int, q, k, v, b: Batch, dec: DecodeRows, plan: tuple) -> torch.Tensor:
-        """GQA decode attention of the D decoding tokens over their persistent rows; returns [D, H, hd]."""
-        rows, inv, fill_i, fill_r, mask, last, L = plan
-        D, hd, g = b.n_decode, self.head_dim, self.n_heads // self.n_kv
-        kb, vb, kd, vd = self.k_pool[li], self.v_pool[li], dec.k[li], dec.v[li]
-        if len(fill_i):  # joined (or moved) sequences: gather their blocks from the pool, new token included
-            Lf = int(b.decode_lens[fill_i].max())
-            flat = b.decode_blocks[fill_i, : -(-Lf // self.block_size)].reshape(-1)  # index_select: fast here
-            kd[fill_r, :, :Lf] = kb.index_select(0, flat).view(len(fill_i), -1, self.n_kv, hd)[:, :Lf].transpose(1, 2)
-            vd[fill_r, :, :Lf] = vb.index_select(0, flat).view(len(fill_i), -1, self.n_kv, hd)[:, :Lf].transpose(1, 2)
-        kd[rows, :, last] = k[:D]
-        vd[rows, :, last] = v[:D]
-        # The g query heads of a kv head as the rows of one small matmul. Plain matmuls read the strided
-        # [:D, :, :L] views in place; SDPA would first copy them contiguous.
-        qd = q[:D].view(D, self.n_kv, g, hd)
-        if inv is not None:
-            qd = qd[inv]
-        scores = torch.matmul(qd, kd[:D, :, :L].transpose(-1, -2)).mul_(self.scale).add_(mask)
-        o = torch.matmul(scores.softmax(-1), vd[:D, :, :L]).view(D, self.n_heads, hd)
-        return o if inv is None else o[rows]
+    def _embed(self, ids: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(hidden [T, H], cos, signed sin [T, 1, hd]) of the tokens at `positions`."""
+        m = self.hf.model
+        x = m.embed_tokens(ids)
+        cos, sin = m.rotary_emb(x[None], positions[None])
+        half = self.head_dim // 2
+        return x, cos[0, :, None, :], torch.cat((-sin[0, :, None, :half], sin[0, :, None, half:]), dim=-1)
 
-    def _prefill_plan(self, b: Batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-        """Pad every fresh (no cached prefix) prompt chunk into one [P, Lmax] batch for one attention call.
+    def _qkv(self, li: int, x: torch.Tensor, cos, sin) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Layer `li`'s normed, projected, (q/k-normed) and rotated q [T, H, hd], k and v [T, kv, hd]."""
+        layer, T, hd = self.layers[li], x.shape[0], self.head_dim
+        at = layer.self_attn
+        h = self._norm(x, layer.input_layernorm.weight)
+        if f"{li}.qkv" in self.w:
+            nq, nk = self.n_heads * hd, self.n_kv * hd
+            q, k, v = self.proj(f"{li}.qkv", h).split([nq, nk, nk], dim=-1)
+        else:
+            q, k, v = (self.proj(f"{li}.{n}", h) for n in "qkv")
+        q, k, v = q.reshape(T, self.n_heads, hd), k.reshape(T, self.n_kv, hd), v.reshape(T, self.n_kv, hd)
+        if hasattr(at, "q_norm"):
+            q = self._norm(q, at.q_norm.weight)
+            k = self._norm(k, at.k_norm.weight)
+        return self._rope(q, cos, sin), self._rope(k, cos, sin), v
 
-        Returns (gather index [P, Lmax] into the flat batch, valid [P, Lmax], mask [P, 1, Lmax, Lmax]).
-        """
-        fresh = [p for p in b.prefills if p.cached == 0]
-        if not fresh:
-            return None
-        Lm = max(p.n for p in fresh)
-        ar = torch.arange(Lm)
-        n = torch.tensor([p.n for p in fresh])
-        valid = ar[None, :] < n[:, None]
-        idx = torch.where(valid, torch.tensor([p.start for p in fresh])[:, None] + ar[None, :], 0)
-        mask = (ar[None, :] <= ar[:, None])[None] & valid[:, None, :]  # causal, and never a padded key
-        return idx, valid, mask[:, None]
+    def _mlp(self, li: int, x: torch.Tensor, routes: list | None) -> torch.Tensor:
+        """x plus layer `li`'s MLP (or routed experts; their top-k ids appended to `routes` when given)."""
+        layer = self.layers[li]
+        h = self._norm(x, layer.post_attention_layernorm.weight)
+        mlp = layer.mlp
+        if self.is_moe and hasattr(mlp, "gate") and hasattr(mlp, "experts"):
+            y, top_i = moe(mlp, h, self.experts_kind)
+            if routes is not None:
+                routes.append(top_i)
+            return x + y
+        if f"{li}.gate_up" in self.w:
+            gate, up = self.proj(f"{li}.gate_up", h).chunk(2, dim=-1)
+        else:  # biased gate/up (Llama mlp_bias): not fused
+            gate, up = self.proj(f"{li}.gate", h), self.proj(f"{li}.up", h)
+        return x + self.proj(f"{li}.down", F.silu(gate) * up)
+
+    def _head(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj("lm_head", self._norm(x, self.hf.model.norm.weight)).float()
+
+    def write_kv(self, li: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Every token's k and v into the paged pool (the truth for prefix reuse and preemption)."""
+        self.k_pool[li].view(-1, self.n_kv, self.head_dim).index_copy_(0, slots, k)
+        self.v_pool[li].view(-1, self.n_kv, self.head_dim).index_copy_(0, slots, v)
 
     @torch.inference_mode()
     def forward(self, b: Batch) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Return (logits[len(logit_rows), V] in fp32, routes[T, layers, k] or None)."""
+        """Return (logits[len(logit_rows), V] in fp32, routes[T, layers, k] or None).
+
+        Reads lengths only from the batch's host metadata: no `.item()`, `.tolist()` or data-dependent
+        shape on the device (tests/unit/test_engine_host_sync.py), so on a GPU it never stalls."""
         if self._dirty:
             self._repack()  # a sync's last bucket had no version stamp: pack what it left marked
-        m = self.hf.model
-        x = m.embed_tokens(b.input_ids)
-        cos, sin = m.rotary_emb(x[None], b.positions[None])
-        half = self.head_dim // 2
-        cos, sin = (
-            cos[0, :, None, :],
-            torch.cat((-sin[0, :, None, :half], sin[0, :, None, half:]), dim=-1),
-        )  # [T, 1, hd]
-        T = x.shape[0]
-        D, g, hd = b.n_decode, self.n_heads // self.n_kv, self.head_dim
-        nq, nk = self.n_heads * hd, self.n_kv * hd
-        dec = None
+        self.adapters.begin(b)  # which rows use which LoRA adapter (engine/adapters.py)
+        x, cos, sin = self._embed(b.input_ids, b.positions)
+        T, D = x.shape[0], b.n_decode
+        dec, self.decode_kv = self.decode_kv, None  # set again only if this forward completes
         if D:
-            dec, dplan = self._decode_plan(b, x.dtype)
-        self.decode_kv = None  # set again only if this forward completes
-        plan = self._prefill_plan(b)
-        routes = []
-        for li, layer in enumerate(self.layers):
-            at = layer.self_attn
-            h = self._norm(x, layer.input_layernorm.weight)
-            if f"{li}.qkv" in self.w:
-                q, k, v = self.proj(f"{li}.qkv", h).split([nq, nk, nk], dim=-1)
-            else:
-                q, k, v = (self.proj(f"{li}.{n}", h) for n in "qkv")
-            q, k, v = q.reshape(T, self.n_heads, hd), k.reshape(T, self.n_kv, hd), v.reshape(T, self.n_kv, hd)
-            if hasattr(at, "q_norm"):
-                q = self._norm(q, at.q_norm.weight)
-                k = self._norm(k, at.k_norm.weight)
-            q, k = self._rope(q, cos, sin), self._rope(k, cos, sin)
-            kb, vb = self.k_pool[li], self.v_pool[li]
-            kp, vp = kb.view(-1, self.n_kv, hd), vb.view(-1, self.n_kv, hd)  # by token slot
-            kp.index_copy_(0, b.write_slots, k)
-            vp.index_copy_(0, b.write_slots, v)
+            if b.decode_plan is None:
+                raise ValueError("NativeModel.forward: a batch with decode tokens needs NativeModel.prepare(batch)")
+            mask = decode_mask(b.decode_plan.row_lens, b.decode_plan.L, x.dtype)
+        routes: list | None = [] if b.want_routes else None
+        for li in range(len(self.layers)):
+            q, k, v = self._qkv(li, x, cos, sin)
+            self.write_kv(li, b.write_slots, k, v)
             out = torch.empty_like(q)
             if D:
-                out[:D] = self._decode_attention(li, q, k, v, b, dec, dplan)
-            if plan is not None:
-                idx, valid, mask = plan
-                qs = q[idx].transpose(1, 2)  # [P, H, Lm, hd]
-                ks = k[idx].transpose(1, 2).repeat_interleave(g, dim=1)
-                vs = v[idx].transpose(1, 2).repeat_interleave(g, dim=1)
-                o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=self.scale)
-                out[idx[valid]] = o.transpose(1, 2)[valid]
-            for p in b.prefills:
-                if p.cached == 0:
-                    continue
-                qs = q[p.start : p.start + p.n].transpose(0, 1)[None]  # [1, H, n, hd]
-                ks, vs = kp.index_select(0, p.ctx_slots), vp.index_select(0, p.ctx_slots)
-                mask = torch.arange(p.cached + p.n)[None, :] <= (p.cached + torch.arange(p.n))[:, None]
-                ks = ks.transpose(0, 1).repeat_interleave(g, dim=0)[None]
-                vs = vs.transpose(0, 1).repeat_interleave(g, dim=0)[None]
-                o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=self.scale)
-                out[p.start : p.start + p.n] = o[0].transpose(0, 1)
-            x = x + self.proj(f"{li}.o", out.reshape(T, -1))
-            h = self._norm(x, layer.post_attention_layernorm.weight)
-            mlp = layer.mlp
-            if self.is_moe and hasattr(mlp, "gate") and hasattr(mlp, "experts"):
-                y, top_i = self._moe(mlp, h)
-                if b.want_routes:
-                    routes.append(top_i)
-                x = x + y
-            else:
-                if f"{li}.gate_up" in self.w:
-                    gate, up = self.proj(f"{li}.gate_up", h).chunk(2, dim=-1)
-                else:  # biased gate/up (Llama mlp_bias): not fused
-                    gate, up = self.proj(f"{li}.gate", h), self.proj(f"{li}.up", h)
-                x = x + self.proj(f"{li}.down", F.silu(gate) * up)
-        x = self._norm(x[b.logit_rows], m.norm.weight)
-        logits = self.proj("lm_head", x).float()
-        if dec is not None:
-            dec.commit(dplan[0], b.decode_lens.tolist())
+                out[:D] = decode_attention(self, li, q, k, v, b, dec, mask)
+            if b.prefills:
+                prefill_attention(self, li, q, k, v, b, out)
+            x = self._mlp(li, x + self.proj(f"{li}.o", out.reshape(T, -1)), routes)
+        logits = self._head(x[b.logit_rows])
+        if D:
+            dec.commit(b.decode_plan.rows_list, b.decode_lens_host)
         self.decode_kv = dec
         return logits, (torch.stack(routes, dim=1) if routes else None)
 
@@ -419,13 +408,18 @@ class FallbackModel:
         return logits[seq_of, pos].float(), None
 
 
-def build_model(hf_model, num_blocks: int, block_size: int, backend: str = "auto"):
-    """Pick the native path where `native_gap` finds nothing missing (or when forced), the fallback otherwise."""
+def build_model(hf_model, num_blocks: int, block_size: int, backend: str = "auto", quantization: str = "none"):
+    """Pick the native path where `native_gap` finds nothing missing (or when forced), the fallback otherwise.
+
+    `quantization` other than none needs the native path (the HF fallback would compute with dense weights)."""
     if backend not in ("auto", "native", "hf"):
         raise ValueError(f"--backend: unknown backend {backend!r}; choose auto, native or hf")
     gap = native_gap(hf_model.config)
+    if quantization != "none" and (backend == "hf" or gap is not None):
+        why = "--backend hf" if backend == "hf" else gap
+        raise ValueError(f"engine.quantization={quantization}: needs the native forward, ruled out by {why}")
     if backend == "hf" or (backend == "auto" and gap is not None):
         return FallbackModel(hf_model)
     if gap is not None:
         raise ValueError(f"--backend native: {gap}; use --backend hf")
-    return NativeModel(hf_model, num_blocks, block_size)
+    return NativeModel(hf_model, num_blocks, block_size, quantization)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import threading
 import time
 import uuid
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -27,7 +28,9 @@ class Request:
     logprob_start_len: int = -1  # >= 0: also return prompt log-probs from this index (teacher scoring)
     top_logprobs_num: int = 0
     return_routed_experts: bool = False
+    lora: str | None = None  # SGLang's `lora_path`: the adapter that serves it (None: the policy adapter, if any)
     stream: bool = False
+    priority: int = 0  # SGLang's `priority`: larger is admitted first (see `admission_order`)
     # Called from the scheduler thread: (request, n_new_tokens, finished). Must not block.
     listener: Callable[[Request, int, bool], None] | None = None
 
@@ -45,6 +48,7 @@ class Request:
     epoch: int = 0
     n_cached: int = 0  # tokens whose KV is in the pool
     serial: int = 0  # set by the engine on arrival
+    arrival_step: int = 0  # the scheduler step it arrived at (priority aging)
     cached_prompt_tokens: int = 0
     fork_of: Request | None = None  # the leader whose prompt KV this request shares (one step only)
     generator: Any = None
@@ -62,8 +66,29 @@ class Request:
 
     @property
     def reuse_prefix(self) -> bool:
-        # Prompt log-probs and routed experts need every prompt position computed.
-        return self.logprob_start_len < 0 and not self.return_routed_experts
+        # Prompt log-probs and routed experts need every prompt position computed; a named adapter's KV is
+        # its own (the prefix cache and prefill sharing hold KV of requests that name none).
+        return self.logprob_start_len < 0 and not self.return_routed_experts and self.lora is None
+
+
+AGING_STEPS = 32  # scheduler steps of waiting that raise a request's priority by one
+
+
+def admission_order(waiting: deque[Request], step: int) -> None:
+    """Order the queue for admission: larger effective priority first, queue order among equals.
+
+    The rule: effective priority = `priority` + (scheduler steps waited) // `AGING_STEPS`. A request of
+    priority p behind a stream of priority q > p requests reaches q after (q - p) * AGING_STEPS steps and
+    then, being older than every newcomer of priority q, goes first among them: a lower priority waits
+    longer, never forever. Admission only: running sequences are never preempted for priority. With one
+    priority in the queue (the usual case) this is a no-op, so arrival order (and a retracted sequence's
+    place at the head) is kept exactly.
+    """
+    if len({r.priority for r in waiting}) < 2:
+        return
+    ordered = sorted(waiting, key=lambda r: -(r.priority + (step - r.arrival_step) // AGING_STEPS))
+    waiting.clear()
+    waiting.extend(ordered)
 
 
 def result(req: Request, text: str, weight_version: int) -> dict[str, Any]:

@@ -29,6 +29,7 @@ from furlong.core import spans
 from furlong.core.api import CONTROL_PATHS
 from furlong.core.app_thread import AppThread
 from furlong.engine import validate as V
+from furlong.engine.adapters import apply_weights
 from furlong.engine.engine import Engine
 from furlong.engine.http import body_of, error, events, finished, finished_all, sse
 from furlong.engine.openai_api import add_openai_routes
@@ -51,6 +52,7 @@ def create_app(engine: Engine, admin_token: str | None = None) -> FastAPI:
     add_info_routes(app, engine)
     add_control_routes(app, engine)
     add_weight_routes(app, engine)
+    add_lora_routes(app, engine)
     add_openai_routes(app, engine)
     return app
 
@@ -102,12 +104,14 @@ def add_generation_routes(app: FastAPI, engine: Engine) -> None:
             logprob_start_len=body.logprob_start_len,
             top_logprobs_num=body.top_logprobs_num,
             return_routed_experts=body.return_routed_experts,
+            lora=body.lora_path,
+            priority=body.priority or 0,
             **kw,
         )
 
     def generate_requests(body: P.GenerateIn) -> tuple[list[Request], bool]:
-        if body.lora_path:
-            raise P.BadRequest("lora_path", "the built-in engine serves no LoRA adapters yet")
+        if body.lora_path is not None:
+            check_adapter(engine, body.lora_path)
         if (body.text is None) == (body.input_ids is None):
             raise P.BadRequest("input_ids", "give exactly one of input_ids or text")
         if body.input_ids is not None:
@@ -221,6 +225,7 @@ def add_info_routes(app: FastAPI, engine: Engine) -> None:
             "kv_cache_tokens": engine.kv_capacity_tokens,
             "max_running": engine.max_running,
             "is_moe": engine.model.is_moe,
+            "lora_adapters": sorted(adapters.loaded) if (adapters := getattr(engine.model, "adapters", None)) else None,
         }
 
     app.get(P.MODEL_INFO)(model_info)
@@ -285,7 +290,7 @@ def add_weight_routes(app: FastAPI, engine: Engine) -> None:
 
     async def apply(named: dict, version: Any) -> JSONResponse:
         v = P.version(version)
-        new = await asyncio.wrap_future(engine.call(lambda: engine.apply_weights(named, v)))
+        new = await asyncio.wrap_future(engine.call(lambda: apply_weights(engine, named, v)))
         return JSONResponse({"success": True, "message": f"updated {len(named)} tensors", "weight_version": new})
 
     @app.post(P.UPDATE_FROM_TENSOR)
@@ -319,6 +324,7 @@ def add_weight_routes(app: FastAPI, engine: Engine) -> None:
     async def weights_checksum(request: HTTPRequest):
         """Shape, dtype and CRC32 of every (or each named) parameter: lets a sender verify a sync or skip
         unchanged tensors."""
+        from furlong.engine.quantized import held_state_dict
         from furlong.weights.tensors import checksum, dtype_name
 
         body = await body_of(request)
@@ -327,7 +333,9 @@ def add_weight_routes(app: FastAPI, engine: Engine) -> None:
             raise P.BadRequest("names", "must be a list of parameter names")
 
         def snapshot() -> dict:
-            sd = engine.hf.state_dict()
+            sd = held_state_dict(engine.hf, engine.model)  # quantised weights: their codes + scales
+            if getattr(engine.model, "adapters", None) is not None:
+                sd.update(engine.model.adapters.tensors())  # adapter-only sync's tensors, by their sync names
             unknown = [n for n in names or [] if n not in sd]
             if unknown:
                 raise P.BadRequest("names", f"no such parameter {unknown[0]!r}")
@@ -390,6 +398,56 @@ def add_group_routes(app: FastAPI, engine: Engine, apply: Callable[[dict, Any], 
         device = next(engine.hf.parameters()).device
         named = await asyncio.to_thread(receive_distributed, group, body.names, body.dtypes, body.shapes, device=device)
         return await apply(named, body.weight_version)
+
+
+def check_adapter(engine: Engine, name: str | None = None, field: str = "lora_path") -> None:
+    """The engine must serve adapters and `name` (when given) be loaded; else a 400 naming `field`."""
+    adapters = getattr(engine.model, "adapters", None)
+    if adapters is None:
+        raise P.BadRequest(field, f"the {engine.backend} backend serves no LoRA adapters (native backend only)")
+    if name is not None and name not in adapters.loaded:
+        raise P.BadRequest(
+            field, f"no adapter {name!r} loaded (loaded: {sorted(adapters.loaded)}); load it with {P.LOAD_LORA}"
+        )
+
+
+def add_lora_routes(app: FastAPI, engine: Engine) -> None:
+    """SGLang's `/load_lora_adapter` and `/unload_lora_adapter` (admin token required): adapters by name."""
+
+    def answer() -> JSONResponse:
+        return JSONResponse({"success": True, "error_message": "", "loaded_adapters": engine.model.adapters.listing()})
+
+    def as_bad_request(e: WeightUpdateError) -> P.BadRequest:
+        field, _, msg = str(e).partition(": ")
+        return P.BadRequest(field, msg)
+
+    @app.post(P.LOAD_LORA)
+    async def load_lora_adapter(request: HTTPRequest):
+        body = P.parse(P.LoadLoraIn, await body_of(request))
+        check_adapter(engine)
+        try:
+            adapter = await asyncio.to_thread(engine.model.adapters.load_dir, body.lora_name, body.lora_path)
+            await asyncio.wrap_future(engine.call(lambda: engine.model.adapters.install(adapter)))
+        except WeightUpdateError as e:
+            raise as_bad_request(e) from None
+        return answer()
+
+    @app.post(P.UNLOAD_LORA)
+    async def unload_lora_adapter(request: HTTPRequest):
+        body = P.parse(P.UnloadLoraIn, await body_of(request))
+        check_adapter(engine, field="lora_name")
+
+        def unload() -> None:
+            users = sum(r.lora == body.lora_name for r in list(engine.running) + list(engine.waiting))
+            if users:
+                raise P.BadRequest("lora_name", f"adapter {body.lora_name!r} serves {users} requests in flight")
+            try:
+                engine.model.adapters.unload(body.lora_name)
+            except WeightUpdateError as e:
+                raise as_bad_request(e) from None
+
+        await asyncio.wrap_future(engine.call(unload))
+        return answer()
 
 
 class ServerThread(AppThread):

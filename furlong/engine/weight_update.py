@@ -19,11 +19,18 @@ class WeightUpdateError(ValueError):
     """A weight update the engine refused; the message names the tensor or file."""
 
 
-def check_named_tensors(model, named: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def check_named_tensors(model, named: dict[str, torch.Tensor], quant=None) -> dict[str, torch.Tensor]:
+    """`quant`: the engine's `QuantizedWeights` (engine.quantization), which checks the codes + scales it owns."""
     if not named:
         raise WeightUpdateError("named_tensors: no tensors given")
     params = model.state_dict(keep_vars=True)
     for name, t in named.items():
+        if "@" in name and quant is None:
+            raise WeightUpdateError(
+                f"tensor {name!r}: quantised codes, but this engine serves unquantised weights (engine.quantization=none)"
+            )
+        if "@" in name:
+            continue  # codes + scales: checked by quant.plan
         if name not in params:
             raise WeightUpdateError(f"tensor {name!r}: no such parameter in the model")
         if tuple(t.shape) != tuple(params[name].shape):
@@ -34,10 +41,15 @@ def check_named_tensors(model, named: dict[str, torch.Tensor]) -> dict[str, torc
 
 
 @torch.no_grad()
-def apply_named_tensors(model, named: dict[str, torch.Tensor]) -> None:
-    params = check_named_tensors(model, named)
+def apply_named_tensors(model, named: dict[str, torch.Tensor], quant=None) -> None:
+    """Check everything (quantising dense weights that `quant` holds), then copy everything."""
+    params = check_named_tensors(model, named, quant)
+    copies = quant.plan(named) if quant is not None else []
     for name, t in named.items():
-        params[name].copy_(t)
+        if quant is None or not quant.owns(name):
+            params[name].copy_(t)
+    if copies:
+        quant.commit(copies)
 
 
 def load_disk(model, path: str | Path) -> dict[str, torch.Tensor]:

@@ -245,8 +245,9 @@ class RolloutManager:
         every offered keyword (n_samples, sampling_params, reward_fn, generate_fn, seed, step); one loaded
         through the registry sees only those it declares. `client`: evaluate another engine's model (a
         distillation teacher) on the same prompts; None: the policy's engines."""
-        held = not self._running.is_set()
-        self.client.release()  # eval runs between steps, when sync mode holds the client
+        held = client is None and not self._running.is_set()  # another client's eval leaves ours alone (mid-rollout)
+        if client is None:  # our eval runs between steps, when sync mode holds our client
+            self.client.release()
         pairs = [(p, self._encode(p)) for p in self.eval_prompts]
         offered = {
             "n_samples": self.config.eval_n_samples,

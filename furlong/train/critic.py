@@ -26,6 +26,6 @@ class ValueModel(nn.Module):
         nn.init.zeros_(self.head.bias)
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-        """Values `[N]` (fp32) at packed positions `index`: V(state before each response token)."""
+        """Values `[N]` (fp32) at positions `index` of the flattened `[B*L]` block: V(state before each response token)."""
         hidden = self.backbone(input_ids=input_ids, position_ids=position_ids, use_cache=False).last_hidden_state
-        return self.head(hidden[0, index]).squeeze(-1).float()
+        return self.head(hidden.flatten(0, 1)[index]).squeeze(-1).float()

@@ -50,8 +50,14 @@ def export(ckpt: str | Path, out: str | Path, merge_lora: bool = False) -> Path:
     dtype = getattr(torch, meta["dtype"])
     model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(hf), dtype=dtype)
     lora = meta.get("lora")
+    adapters = (lora or {}).get("adapters") or []
+    if lora and merge_lora and len(adapters) > 1:
+        raise ValueError(
+            f"--merge-lora: {ckpt} holds {len(adapters)} adapters ({', '.join(adapters)}); one base cannot fold "
+            "them all in — export without --merge-lora (one PEFT adapter folder per adapter)"
+        )
     if lora:
-        model = apply_lora(model, lora)
+        model = apply_lora(model, lora, adapters)
     elif merge_lora:
         raise ValueError(f"--merge-lora: {ckpt} is not a LoRA checkpoint (meta.json lora is null)")
     state = {"policy": get_model_state_dict(model)}
@@ -61,7 +67,8 @@ def export(ckpt: str | Path, out: str | Path, merge_lora: bool = False) -> Path:
     if lora and merge_lora:
         model = model.merge_and_unload()
     elif lora:
-        model.peft_config["default"].base_model_name_or_path = meta["model_dir"]
+        for adapter_cfg in model.peft_config.values():
+            adapter_cfg.base_model_name_or_path = meta["model_dir"]
     model.save_pretrained(out)
     # Config, generation config and tokenizer files; never overwrite what save_pretrained wrote.
     for f in hf.iterdir():

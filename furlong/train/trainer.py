@@ -38,11 +38,12 @@ from torch import Tensor, nn
 
 from furlong.core import spans
 from furlong.core.sample import Sample, SampleError
-from furlong.train import checkpoint, dist, mfu, qat
+from furlong.train import checkpoint, dist, mfu, qat, routing_replay
 from furlong.train.batch import Packed, TrainBatch, micro_batches, pack, partition
 from furlong.train.critic import ValueModel
 from furlong.train.hooks import TrainerHooks
-from furlong.train.lora import apply_lora, lora_dict, merged_items
+from furlong.train.lora import adapter_items, apply_lora, lora_dict, merged_items
+from furlong.train.multi_lora import MultiLora
 from furlong.train.optim import build_optimizer, build_scheduler
 
 if TYPE_CHECKING:
@@ -51,13 +52,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("furlong.train")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 _DUMMY = Packed(
-    torch.zeros(1, 2, dtype=torch.long),
-    torch.arange(2)[None],
-    torch.zeros(1, dtype=torch.long),
-    torch.zeros(1, dtype=torch.long),
-    torch.zeros(1, dtype=torch.long),
-    torch.zeros(1, dtype=torch.long),
-    (1, 1),
+    torch.zeros(1, 2, dtype=torch.long), torch.arange(2)[None], *[torch.zeros(1, dtype=torch.long)] * 4, (1, 1), 2
 )
 
 
@@ -111,7 +106,8 @@ class Trainer:
         policy = self._load_lm()
         if train_cfg.gradient_checkpointing:
             policy.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-        self.policy = self._place(apply_lora(policy, self.lora) if self.lora else policy)
+        self.policy = self._place(apply_lora(policy, self.lora, train_cfg.lora.adapters) if self.lora else policy)
+        self.multi_lora = MultiLora.attach(self.policy, train_cfg.lora, train_cfg.num_steps_per_rollout)  # or None
         # The reference policy: a frozen copy; with LoRA, the base itself (adapters switched off).
         self.ref = self._place(self._load_lm(), frozen=True) if self.kl_coef and not self.lora else None
         if self.lora and self.cfg.ref_update_every:
@@ -153,13 +149,10 @@ class Trainer:
     # ------------------------------------------------------------------ forward
     def _logprobs(self, model: nn.Module, packed: Packed, entropy=False, temperature: float | None = None):
         """Per-token log-probs (and entropy; its gradient only if entropy="grad") `[B, T]`, fp32, at temperature T."""
-        logits = model(
-            input_ids=packed.input_ids,
-            position_ids=packed.position_ids,
-            use_cache=False,
-            logits_to_keep=packed.flat_index,
-        ).logits[0]
-        logp = torch.log_softmax(logits.float() / (temperature or self.temperature), dim=-1)
+        logits = routing_replay.replayed(model, packed.routes)(  # R3: the rollout's MoE routes, if recorded
+            input_ids=packed.input_ids, position_ids=packed.position_ids, use_cache=False, logits_to_keep=packed.keep
+        ).logits
+        logp = torch.log_softmax(packed.kept(logits).float() / (temperature or self.temperature), dim=-1)
         lp = packed.scatter(logp.gather(-1, packed.targets[:, None]).squeeze(-1))
         with torch.set_grad_enabled(torch.is_grad_enabled() and entropy == "grad"):  # metric only: no [N, V] graph
             ent = packed.scatter(-(logp.exp() * logp).sum(-1)) if entropy else None
@@ -178,16 +171,10 @@ class Trainer:
     def _plan(self, lengths: list[int]) -> list[list[int]]:
         """This rank's micro-batches (global sample indices); the same count on every rank."""
         shards = partition(lengths, self.world_size)
-        budget = self.cfg.micro_batch_tokens
-        per_rank = [
-            [[shard[i] for i in mb] for mb in micro_batches([lengths[i] for i in shard], budget)] for shard in shards
-        ]
-        k = max(1, max(len(p) for p in per_rank))
-        mine = per_rank[self.rank]
-        if len(mine) < k:  # fewer than the busiest rank: spread thinner, padding with empty (dummy) steps
-            shard = shards[self.rank]
-            mine = [[shard[i] for i in b] for b in partition([lengths[i] for i in shard], k)]
-        return mine
+        plan = lambda shard, k=1: micro_batches([lengths[i] for i in shard], self.cfg.micro_batch_tokens, k)
+        k = max(1, max(len(plan(shard)) for shard in shards))  # fewer than the busiest: spread thinner, or dummies
+        shard = shards[self.rank]
+        return [[shard[i] for i in mb] for mb in plan(shard, k)]
 
     @torch.no_grad()
     def _per_token(self, batch: TrainBatch, fn: Callable[[Packed], Tensor]) -> Tensor:
@@ -222,7 +209,10 @@ class Trainer:
         for m in self._modules():
             m.eval()
         uses_ref = bool(self.kl_coef)
-        if uses_ref or self.cfg.num_steps_per_rollout > 1:
+        # With one optimiser step per rollout the training forward's own log-probs are pi_old (ratio 1): no
+        # separate pass, unless the KL folded into the reward (or an advantage_fn, which may read it) needs them first.
+        kl_first = uses_ref and (self.algo.kl_in_reward or self.hooks.advantage_fn is not None)
+        if kl_first or self.cfg.num_steps_per_rollout > 1:
             with self._span("old-logprob"):
                 batch.old_logprobs = self._per_token(batch, lambda p: self._logprobs(self.policy, p)[0])
         if uses_ref:
@@ -231,7 +221,7 @@ class Trainer:
         if self.critic is not None:
             batch.old_values = self._per_token(batch, self._values)
         kl = None  # per-token KL to the reference, folded into the reward when algo.kl_in_reward
-        if uses_ref:
+        if uses_ref and batch.old_logprobs is not None:
             kl = self.losses.kl_estimate(batch.old_logprobs, batch.ref_logprobs, self.algo.kl_type)
         batch.advantages, batch.returns = self.losses.compute_advantages(
             self.algo,
@@ -254,6 +244,8 @@ class Trainer:
         rank 0 `advantages` and `train_logprobs` (per sample, response tokens only; `train_logprobs`
         only when known for every sample).
         """
+        if self.multi_lora is not None and self.multi_lora.active is None:  # each adapter on its samples
+            return self.multi_lora.train_rollout(self, samples)
         t0 = time.time()
         self.seen_logprobs = {}  # id(sample) -> train log-probs of this batch, when not in `old_logprobs`
         batch = self.last_batch = self.prepare(samples)
@@ -311,6 +303,9 @@ class Trainer:
         Collective under FSDP: every rank must iterate to the end (each gets full tensors).
         """
         items = dist.full_state(self.policy)
+        if self.lora and self.cfg.lora.sync == "adapter":  # train.lora.sync: A and B only (train/lora.py)
+            yield from adapter_items(self.policy, items, self.multi_lora and self.multi_lora.sync_names())
+            return
         yield from qat.sync_items(self.policy, merged_items(self.policy, items) if self.lora else items)
 
     # ------------------------------------------------------------------ losses
@@ -398,7 +393,7 @@ class Trainer:
         out = {"grad_norm": grad_norm, "lr": lr}
         if self.critic is not None:
             out["critic/grad_norm"] = self._clip(self.critic)
-        out |= self._reduce_metrics(sums, batch)
+        out |= self._reduce_metrics(sums, batch) | routing_replay.step_metrics(self.policy)  # r3/*
         # Loss and grad norms are global (gathered / all-reduced), so every rank takes the same branch.
         finite = all(math.isfinite(out[k]) for k in ("loss", "grad_norm", "critic/grad_norm") if k in out)
         if finite:

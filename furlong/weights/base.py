@@ -20,6 +20,11 @@ Every transport shares the same contract, so the driver never branches on it:
 
 * **verified on request** — with `verify=True` (`weights.verify`) every push
   ends by comparing the engines' CRC32s with the pushed tensors (`checksums.verify`).
+* **quantised once, on the way out** — with `quantization` (`engine.quantization`: fp8, mxfp8, nvfp4,
+  int4) every weight the engines hold quantised (`weights.quant.payload.quantizable`) is replaced by
+  its codes + scales before bucketing, so every transport moves (and `report.bytes` counts) the
+  quantised bytes, and the engines copy the codes as they are. DTensor shards (p2p) travel dense and the
+  engines quantise them with the same functions; `verify` compares the quantised tensors either way.
 
 The transports (`shm`, `delta`, `broadcast`, `p2p`, `disk`) only decide how
 one bucket travels; see their modules, and `factory.make_sender` for choosing
@@ -44,6 +49,7 @@ import torch.distributed as dist
 from furlong.core.api import PAUSE_MODES
 from furlong.core.client import EngineControl, EngineError
 from furlong.weights.checksums import compare
+from furlong.weights.quant.payload import quantize_for_sync
 from furlong.weights.report import EngineResult, SyncReport, WeightSyncError
 from furlong.weights.schema import Schema, check_against, engine_schema
 from furlong.weights.tensors import dtype_name
@@ -110,12 +116,17 @@ class Sender:
         rank: int | None = None,
         world_size: int | None = None,
         engine_api: str = "furlong",
+        quantization: str = "none",
     ):
         """`engine_api`: whose request shapes the engines take: `furlong` (the built-in engine) or `sglang`,
-        whose weight-update requests carry `weight_version` as a string (its io_struct: Optional[str])."""
+        whose weight-update requests carry `weight_version` as a string (its io_struct: Optional[str]).
+        `quantization`: the engines' `engine.quantization`; other than none, weights go as codes + scales."""
         if engine_api not in ("furlong", "sglang"):
             raise ValueError(f"engine_api: {engine_api!r} is not furlong or sglang")
+        if quantization != "none":
+            quantize_for_sync([], quantization)  # an unknown format fails here, naming engine.quantization
         self.engine_api = engine_api
+        self.quantization = quantization
         if bucket_mb <= 0:
             raise ValueError(f"bucket_mb: must be positive, got {bucket_mb}")
         initialized = dist.is_available() and dist.is_initialized()
@@ -186,6 +197,8 @@ class Sender:
                 pass
             return SyncReport(self.transport, int(version))
         items = self._prepare(named_tensors)
+        if self.quantization != "none":
+            items = self._quantize(items)
         self._sent = None
         report = SyncReport(self.transport, int(version), engines={u: EngineResult(u) for u in self.urls})
         self._report, self._new_version = report, int(version)
@@ -202,9 +215,21 @@ class Sender:
         if not report.ok:
             raise WeightSyncError(f"weight sync failed: {report.summary()}", report)
         if self.verify:
-            compare(list(self.engines.values()), items if self._sent is None else self._sent)
+            sent = items if self._sent is None else self._sent
+            if self.quantization != "none":  # what the engines hold: codes + scales (a no-op for quantised items)
+                sent = quantize_for_sync(sent, self.quantization)
+            compare(list(self.engines.values()), sent)
             report.verified = True
         return report
+
+    def _quantize(self, items: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+        """Every full tensor the engines hold quantised, as codes + scales; DTensor shards stay dense."""
+        from torch.distributed.tensor import DTensor
+
+        out: list[tuple[str, torch.Tensor]] = []
+        for name, t in items:
+            out.extend([(name, t)] if isinstance(t, DTensor) else quantize_for_sync([(name, t)], self.quantization))
+        return out
 
     def _prepare(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
         items: list[tuple[str, torch.Tensor]] = []
@@ -224,7 +249,11 @@ class Sender:
         if not items:
             raise WeightSyncError("named_tensors: nothing to send")
         for url, schema in self.schema.items():
-            check_against(schema, [(n, tuple(t.shape), t.dtype) for n, t in items], url)
+            # A quantised engine's checksum schema lists its quantised weights by payload name ("x@fp8.data"):
+            # those weights are checked by the engine itself, on arrival.
+            held_quantised = {n.split("@", 1)[0] for n in schema or () if "@" in n}
+            dense = [(n, tuple(t.shape), t.dtype) for n, t in items if n not in held_quantised]
+            check_against(schema, dense, url)
         return items
 
     def _send(self, items: list[tuple[str, torch.Tensor]], report: SyncReport) -> None:

@@ -33,5 +33,7 @@ def broadcast(group, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
     """In-place broadcast of one tensor from `src` over `group`."""
     opts = dist.BroadcastOptions()
     opts.rootRank = src
-    group.broadcast([tensor], opts).wait()
+    # gloo has no float8 types (quantised codes and scales, engine.quantization): move their bytes as uint8.
+    wire = tensor.view(torch.uint8) if tensor.is_floating_point() and tensor.element_size() == 1 else tensor
+    group.broadcast([wire], opts).wait()
     return tensor

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from furlong.core.api import LORA_TENSOR_PREFIX
 from furlong.core.client import EngineControl, EngineError
 from furlong.weights.report import WeightSyncError
 
@@ -58,6 +59,8 @@ def check_against(schema: Schema | None, items: Iterable[tuple[str, tuple[int, .
     if schema is None:
         return
     for name, shape, dtype in items:
+        if name.startswith(LORA_TENSOR_PREFIX):
+            continue  # adapter-only sync: the engine checks adapter tensors against its modules on arrival
         if name not in schema:
             raise WeightSyncError(f"tensor {name!r}: no such parameter in the engine model at {url}; nothing was sent")
         want, want_dtype = schema[name]

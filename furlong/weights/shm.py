@@ -35,7 +35,7 @@ from furlong.core.client import EngineControl
 from furlong.weights.base import Sender, buckets, layout, nbytes
 from furlong.weights.checksums import VerifyUnsupported, engine_checksums
 from furlong.weights.report import SyncReport
-from furlong.weights.tensors import checksum, dtype_name, tensor_bytes
+from furlong.weights.tensors import checksum, copy_into, dtype_name
 
 IN_FLIGHT = 2
 ALIGN = 64  # tensor offsets, as in tensors.write_shm
@@ -62,7 +62,7 @@ def write_segment(
             unlink(free.pop(0))
         seg = shared_memory.SharedMemory(create=True, size=max(offset, min_size, 1))
     for spec, (name, t) in zip(specs, group):
-        seg.buf[spec["offset"] : spec["offset"] + spec["nbytes"]] = tensor_bytes(t)
+        copy_into(seg.buf, spec["offset"], t)
         if crcs is not None:
             spec["crc32"] = crcs[name]
     return seg, {"shm_name": seg.name, "tensors": specs}

@@ -38,6 +38,21 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
     return memoryview(t.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy())
 
 
+def copy_into(buf: memoryview, offset: int, t: torch.Tensor) -> None:
+    """Copy `t`'s bytes into `buf` at `offset` with torch's copy, not a memoryview slice assignment.
+
+    Why: a slice assignment is one single-threaded memcpy that holds the GIL for the whole tensor
+    (hundreds of MB per bucket), so the sender's posting thread and the HTTP client stall behind it;
+    torch's copy releases the GIL and splits large tensors over the intra-op threads."""
+    n = t.numel() * t.element_size()
+    if n == 0:
+        return
+    src = t.detach().contiguous().cpu().reshape(-1).view(torch.uint8)
+    dst = torch.frombuffer(buf, dtype=torch.uint8, count=n, offset=offset)
+    dst.copy_(src)
+    del dst  # no view may outlive the call: the segment's owner closes it later
+
+
 def checksum(t: torch.Tensor) -> int:
     """CRC32 of a tensor's raw bytes (what both sides compute to check a transfer)."""
     return zlib.crc32(tensor_bytes(t))
@@ -56,10 +71,9 @@ def write_shm(
         offset += -(-nbytes // _ALIGN) * _ALIGN
     shm = shared_memory.SharedMemory(create=True, size=max(offset, 1))
     for spec, t in zip(specs, named.values()):
-        data = tensor_bytes(t)
-        shm.buf[spec["offset"] : spec["offset"] + spec["nbytes"]] = data
+        copy_into(shm.buf, spec["offset"], t)
         if with_checksum:
-            spec["crc32"] = zlib.crc32(data)
+            spec["crc32"] = zlib.crc32(shm.buf[spec["offset"] : spec["offset"] + spec["nbytes"]])
     return shm, {"shm_name": shm.name, "tensors": specs}
 
 

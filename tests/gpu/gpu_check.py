@@ -18,6 +18,9 @@ every model is built here with random weights. Steps, each recorded with its fig
 4. grpo: 5 GRPO steps, trainer in this process, engine in its own `furlong serve` process,
    weights pushed after every step (CUDA IPC on GPU, shm in tiny mode), each version checked
    on the engine.
+5. cuda_graphs: decode tokens/s of the same model with `engine.cuda_graphs` on against the eager
+   engine, at batch 64 and batch 8 (where launch overhead weighs most), 256 new tokens, and how
+   many greedy outputs agree. Skipped in tiny mode (CUDA graphs need CUDA), with the reason recorded.
 
 `--tiny` runs every step on CPU with the tiny model (seconds), so the script is known to
 work before a GPU machine runs it; its speed figures mean nothing.
@@ -167,6 +170,40 @@ def step_throughput(plan: Plan, engine, hf) -> dict:
         "ratio": t_hf / t_engine,
         "target_ratio": 3.0,
     }
+
+
+def step_cuda_graphs(plan: Plan, path: Path, eager) -> dict:
+    """Tokens/s with `engine.cuda_graphs` against the eager engine `eager`, same prompts, greedy."""
+    if plan.device != "cuda":
+        return {"skipped": "engine.cuda_graphs captures CUDA graphs: no CUDA device in this mode (CPU)"}
+    from furlong.engine.engine import Engine
+    from furlong.engine.request import Request
+    from furlong.engine.sampler import SamplingParams
+
+    kw = dict(dtype=plan.dtype, device=plan.device, kv_cache_mb=plan.kv_cache_mb, max_running=plan.batch)
+    graphed = Engine(path, cuda_graphs=True, **kw).start()
+    out: dict = {}
+    try:
+        for batch in (plan.batch, 8):
+            ps = prompts(batch, plan.prompt_len, 3)
+            row: dict = {}
+            for name, eng in (("eager", eager), ("graphs", graphed)):
+                eng.generate([Request(p, SamplingParams(8, 0.0, ignore_eos=True)) for p in ps], 600)  # warm-up, capture
+                sync(plan)
+                t0 = time.perf_counter()
+                reqs = eng.generate(
+                    [Request(p, SamplingParams(plan.new_tokens, 0.0, ignore_eos=True)) for p in ps], 1200
+                )
+                sync(plan)
+                row[f"{name}_tok_s"] = batch * plan.new_tokens / (time.perf_counter() - t0)
+                row[f"{name}_outputs"] = [r.output_ids for r in reqs]
+            a, b = row.pop("eager_outputs"), row.pop("graphs_outputs")
+            row.update(speedup=row["graphs_tok_s"] / row["eager_tok_s"], greedy_equal=sum(x == y for x, y in zip(a, b)))
+            out[f"batch_{batch}"] = row
+        out["replays_by_bucket"] = {B: n for B, n in graphed.graphs.replays.items() if n}
+    finally:
+        graphed.stop()
+    return out
 
 
 def copy_bandwidth(plan: Plan, named: list[tuple[str, torch.Tensor]]) -> float:
@@ -354,6 +391,7 @@ def run(tiny: bool, out: Path) -> dict:
     try:
         record("greedy", step_greedy, plan, path, engine, hf)
         record("throughput", step_throughput, plan, engine, hf)
+        record("cuda_graphs", step_cuda_graphs, plan, path, engine)
     finally:
         engine.stop()
         del engine

@@ -9,8 +9,6 @@ from furlong.train.batch import TrainBatch
 @pytest.mark.parametrize(
     "override, field",
     [
-        ("engine.quantization=fp8", "engine.quantization"),
-        ("rollout.routing_replay=true", "rollout.routing_replay"),
         ("rollout.rollout_fn=furlong.rollout.generate:generate", "rollout.rollout_fn"),
     ],
 )

@@ -6,7 +6,7 @@ import pytest
 
 from furlong.config import ConfigError, load_config
 from furlong.core.version import WeightVersion
-from furlong.driver.eval_loop import BackgroundEval
+from furlong.driver.eval_loop import EVAL_PRIORITY, BackgroundEval, PriorityClient
 
 
 class SlowManager:
@@ -57,5 +57,29 @@ def test_async_eval_runs_beside_training_and_is_tagged():
 def test_eval_mode_choices():
     assert load_config(None, []).rollout.eval_mode == "blocking"
     assert load_config(None, ["rollout.eval_mode=async"]).rollout.eval_mode == "async"
-    with pytest.raises(ConfigError, match="rollout.eval_mode.*not built yet"):
-        load_config(None, ["rollout.eval_mode=dedicated"])
+    assert load_config(None, ["rollout.eval_mode=dedicated"]).engine.eval_num_engines == 1
+    with pytest.raises(ConfigError, match="engine.eval_num_engines is the engines of rollout.eval_mode=dedicated"):
+        load_config(None, ["engine.eval_num_engines=2"])
+    with pytest.raises(ConfigError, match="rollout.eval_mode=dedicated starts engines of its own"):
+        load_config(None, ["rollout.eval_mode=dedicated", "cluster.colocate=true"])
+
+
+def test_eval_requests_carry_low_priority_to_each_engine_in_turn():
+    class Recorder:
+        def __init__(self):
+            self.sent = []
+
+        async def generate(self, ids, params, routing_key=None, **extra):
+            self.sent.append((ids, extra))
+            return {}
+
+    a, b = Recorder(), Recorder()
+    client = PriorityClient([a, b])
+
+    async def go():
+        for i in range(3):
+            await client.generate([i], {})
+
+    asyncio.run(go())
+    assert a.sent == [([0], {"priority": EVAL_PRIORITY}), ([2], {"priority": EVAL_PRIORITY})]
+    assert b.sent == [([1], {"priority": EVAL_PRIORITY})] and EVAL_PRIORITY < 0

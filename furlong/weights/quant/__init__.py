@@ -4,9 +4,12 @@
 - `formats`  each format's quantise/dequantise pair on a 2-D fp32 weight
 - `tensor`   `QuantizedTensor` and `quantize(t, fmt)`, the entry point
 - `linear`   `QuantLinear` (computes with a QuantizedTensor) and `quantize_model_linears`
+- `payload`  which parameters are quantised (`quantizable`, shared by sender and engine) and how codes +
+             scales travel in a sync (`name@fmt.role`, `quantize_for_sync`)
 
 On CPU every format is emulated: the linear dequantises per block and runs an fp32 (or model-dtype)
-matmul. Nothing here needs torchao.
+matmul. Nothing here needs torchao. The engine serves them with `engine.quantization`
+(`furlong/engine/quantized.py`).
 """
 
 from furlong.weights.quant.linear import QuantLinear, quantize_model_linears

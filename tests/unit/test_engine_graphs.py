@@ -1,0 +1,112 @@
+"""`engine.cuda_graphs` on CPU: the static, padded decode step a CUDA graph records, run eagerly, against the
+dynamic forward; and the refusal off CUDA.
+
+Two engines on the same tiny model are stepped by hand in lockstep: one runs every step through the
+dynamic forward, the other runs each decode-only step through `DecodeGraphs(capture=False)` — the very
+step `torch.cuda.graph` records on a GPU (padded to its bucket, attention over the rows' whole
+capacity, scratch rows and slot for the padding) — while requests of ragged lengths join and leave
+between steps and a weight update lands mid-run. Greedy tokens and every reported log-prob must agree
+(fp32). Graph replay ≡ eager on CUDA is tests/gpu/test_cuda_graphs.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from furlong.config.schema import Config, ConfigError
+from furlong.engine.engine import Engine
+from furlong.engine.graphs import DecodeGraphs, buckets
+from furlong.engine.launch import engine_argv
+from furlong.engine.request import Request
+from furlong.engine.sampler import SamplingParams
+
+TOL = 1e-5  # fp32: the padded step reduces over more (masked, exactly zero) terms; no other difference
+
+
+def test_buckets_are_powers_of_two_up_to_max_running():
+    assert buckets(1) == [1] and buckets(3) == [1, 2, 4] and buckets(8) == [1, 2, 4, 8]
+    assert buckets(64) == [1, 2, 4, 8, 16, 32, 64]
+
+
+def ragged_requests(wave: int) -> list[Request]:
+    """Greedy requests of ragged prompt lengths and output budgets (so they leave at different steps)."""
+    lens = [(3, 9), (11, 4), (6, 13), (17, 2), (4, 7)] if wave == 0 else [(8, 5), (2, 11), (13, 3)]
+    params = lambda n: SamplingParams(max_new_tokens=n, temperature=0, ignore_eos=True)
+    return [
+        Request(
+            [(7 * wave + 3 * i + j) % 400 + 5 for j in range(p)], params(n), return_logprob=True, top_logprobs_num=4
+        )
+        for i, (p, n) in enumerate(lens)
+    ]
+
+
+def lockstep(engines: dict[str, Engine], update: dict[str, torch.Tensor], on_update=None) -> dict[str, list[Request]]:
+    """Step every engine by hand: the same requests join at the same steps (a second wave at step 6, while
+    the first decodes and some of it has left), the same weight update lands at step 9 (`on_update` first)."""
+    reqs: dict[str, list[Request]] = {name: [] for name in engines}
+    for step in range(40):
+        if step == 9 and on_update:
+            on_update()
+        for name, eng in engines.items():
+            if step in (0, 6):
+                for r in ragged_requests(step // 6):
+                    eng._add(r)
+                    reqs[name].append(r)
+            if step == 9:
+                eng.apply_weights(update, version=1)
+            if eng.running or eng.waiting:
+                eng._step()
+    assert not any(eng.running or eng.waiting for eng in engines.values())
+    return reqs
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3_moe"])
+def test_static_padded_decode_step_equals_the_dynamic_forward(arch):
+    from furlong.models import create_model
+
+    path = create_model(arch, "tiny")
+    eager, static = (Engine(path, kv_cache_mb=2, max_running=8, block_size=4, device="cpu") for _ in range(2))
+    runner = DecodeGraphs(static.model, static.pool.alloc() * static.pool.block_size, 8, capture=False)
+    static.graphs = runner
+    update = {n: p.detach() * 1.01 for n, p in eager.hf.named_parameters() if "layers.0." in n}
+    before = []
+    reqs = lockstep({"eager": eager, "static": static}, update, on_update=lambda: before.append(runner.key))
+    assert not (eager.running or eager.waiting or static.running or static.waiting)
+    gap = 0.0
+    for a, b in zip(reqs["eager"], reqs["static"]):
+        assert a.output_ids == b.output_ids and len(a.output_ids) == a.params.max_new_tokens
+        gap = max(gap, max(abs(x - y) for x, y in zip(a.output_logprobs, b.output_logprobs)))
+        for ta, tb in zip(a.output_top_logprobs, b.output_top_logprobs):
+            assert [t for _, t in ta] == [t for _, t in tb]
+            gap = max(gap, max(abs(x - y) for (x, _), (y, _) in zip(ta, tb)))
+    assert gap <= TOL, gap
+    print(f"{arch}: largest log-prob gap static vs dynamic {gap:.3g}")
+    used = {B for B, n in runner.replays.items() if n}
+    assert {1, 2, 4, 8} <= used, runner.replays  # ragged joins and leaves went through several buckets
+    assert runner.key != before[0]  # the CPU re-pack allocated new weights: graphs would be recaptured
+    assert eager.pool.used == 0 and static.pool.used == 1  # only the scratch block stays taken
+
+
+def test_cuda_graphs_off_cuda_fail_at_start_naming_both_settings(tiny_model_dir, capsys):
+    with pytest.raises(ValueError, match=r"engine.cuda_graphs=true .* on cpu \(engine.device\)"):
+        Engine(tiny_model_dir, device="cpu", cuda_graphs=True)
+    with pytest.raises(ConfigError) as e:
+        Config.from_dict({"engine": {"cuda_graphs": True, "device": "cpu"}})
+    assert {"engine.cuda_graphs", "engine.device"} <= set(e.value.fields)
+    from furlong.engine import cli
+
+    with pytest.raises(SystemExit):
+        cli.main(["--model", str(tiny_model_dir), "--device", "cpu", "--cuda-graphs", "--port", "1"])
+    assert "engine.cuda_graphs=true" in capsys.readouterr().err
+
+
+def test_cuda_graphs_reach_the_engine_command_line(tiny_model_dir):
+    common = dict(model_dir=tiny_model_dir, host="127.0.0.1", port=1, dtype="bfloat16", kv_cache_mb=8, max_running=4)
+    common.update(max_context=None, prefix_cache=True, threads=1, admin_token="t", device="cuda")
+    assert "--cuda-graphs" in engine_argv("builtin", **common, cuda_graphs=True)
+    assert "--cuda-graphs" not in engine_argv("builtin", **common)
+    if not torch.cuda.is_available():
+        with pytest.raises(ConfigError, match="engine.cuda_graphs"):
+            Config.from_dict({"engine": {"cuda_graphs": True, "backend": "sglang", "device": "cuda"}})
