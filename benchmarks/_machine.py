@@ -102,6 +102,13 @@ def machine_line(info: dict[str, Any]) -> str:
     )
 
 
+def load_line(threads: int, consequence: str = "these figures are noisy") -> str:
+    """The load average now, and a warning when other work shares the cores (every benchmark prints it last)."""
+    load = os.getloadavg()[0]
+    busy = f" - other work shared the CPU; {consequence}" if load > threads + 0.5 else ""
+    return f"load average {load:.1f} on {os.cpu_count()} cores{busy}"
+
+
 def roofline_seconds(flops: float, bytes_moved: float, info: dict[str, Any]) -> float:
     """The least time the work can take: compute-bound or bandwidth-bound, whichever is slower."""
     return max(flops / (info["gemm"]["peak"] * 1e9), bytes_moved / (info["bandwidth_gbs"] * 1e9))

@@ -96,11 +96,7 @@ def main(argv: list[str] | None = None) -> int:
         r = res[kind]
         print(f"{kind:<11}{r['step_s']:>9.2f}{r['step_s'] / base:>9.2f}x{r['samples_per_s']:>11.2f}")
     print(f"\nthe bar for async: <= {1 + share:.2f}x (1 + eval share {share:.2f})")
-    load = os.getloadavg()[0]
-    print(
-        f"load average {load:.1f} on {os.cpu_count()} cores"
-        + (" - other work shared the CPU; these figures are noisy" if load > args.threads + 0.5 else "")
-    )
+    print(_machine.load_line(args.threads))
     print("EVAL_COST " + " ".join(f"{k}={res[k]['step_s'] / base:.2f}" for k in EVALS[1:]))
     return 0
 

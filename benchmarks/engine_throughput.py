@@ -280,11 +280,7 @@ def main(argv: list[str] | None = None) -> int:
         vs = f"{tps / hf:.2f}x" if hf else "-"
         print(f"{name:<46}{tps:>10,.0f}{tps / roofline:>12.0%}{vs:>9}")
     print(f"{'roofline min(compute, bandwidth)':<46}{roofline:>10,.0f}{1:>12.0%}")
-    load = os.getloadavg()[0]
-    print(
-        f"\nload average {load:.1f} on {os.cpu_count()} cores"
-        + (" - other work shared the CPU; these figures understate every system" if load > args.threads + 0.5 else "")
-    )
+    print("\n" + _machine.load_line(args.threads, "these figures understate every system"))
     eng = rows[1][1]
     print(f"RATIO engine_vs_hf={eng / hf if hf else float('nan'):.2f} engine_of_roofline={eng / roofline:.2f}")
     return 0

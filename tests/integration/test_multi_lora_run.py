@@ -51,20 +51,12 @@ def test_two_adapters_train_on_two_tasks_in_one_run(tmp_path):
     from furlong.driver import build
     from furlong.driver.run import Run
     from furlong.driver.rundir import admin_token
+    from tests.integration.test_recipes import SHORT
 
     cfg = load_config(
         str(ROOT / "recipes/multi_lora_arithmetic.yaml"),
         [
-            "model.size=tiny",
-            "observe.tensorboard=false",
-            "train.checkpoint_every=0",
-            "train.checkpoint_every_min=0",
-            "rollout.eval_every=0",
-            "rollout.rollout_batch_size=4",
-            "rollout.n_samples_per_prompt=4",
-            "rollout.max_new_tokens=8",
-            "rollout.top_k=4",
-            "data.n_eval=8",
+            *SHORT,  # the recipe tests' shortening; the steps and the learning rate below are this test's own
             f"train.total_steps={STEPS}",
             f"train.lr={os.environ.get('FURLONG_TEST_MULTILORA_LR', '2e-2')}",
             f"rollout.reward_fn={__name__}:odd_even",
