@@ -46,8 +46,22 @@ def bundles_needed(cluster: ClusterConfig, world_size: int, num_engines: int) ->
 
 
 def init_ray(cluster: ClusterConfig, bundles: int) -> None:
+    """Start (or reuse) this process's Ray with room for `bundles` one-CPU bundles.
+
+    A Ray already started in this process (an earlier run in the same interpreter: a notebook, a test
+    worker) is reused when it has the CPUs; when it has fewer, the placement group would wait forever
+    for CPUs that never come, so a local Ray in which nothing holds CPUs is restarted bigger, and anything
+    else is a clear error instead of a placement timeout."""
     if ray.is_initialized():
-        return
+        have = ray.cluster_resources().get("CPU", 0)
+        if have >= bundles:
+            return
+        if cluster.address or _live_actors():
+            raise RuntimeError(
+                f"Ray in this process has {have:g} CPUs but this run places {bundles} one-CPU bundles "
+                "(trainer ranks + engines); shut the other run down first, or set cluster.num_cpus"
+            )
+        ray.shutdown()
     env = {"env_vars": {"TOKENIZERS_PARALLELISM": "false", "RAY_USAGE_STATS_ENABLED": "0"}}
     if cluster.address:
         ray.init(address=cluster.address, runtime_env=env, log_to_driver=False)
@@ -70,6 +84,11 @@ def init_ray(cluster: ClusterConfig, bundles: int) -> None:
         finally:
             del os.environ[REAPER_MARK]  # Ray's head processes have it; later children of the driver need not
         start_reaper(mark, ctx.address_info["session_dir"])
+
+
+def _live_actors() -> bool:
+    """Whether anything holds CPUs in this Ray (a placement group or an actor): then it is not ours to restart."""
+    return ray.available_resources().get("CPU", 0) < ray.cluster_resources().get("CPU", 0)
 
 
 @dataclass(frozen=True)

@@ -61,8 +61,8 @@ def test_a_planted_overclaim_fails_the_claims_check(tree, sentence, why):
     ("sentence", "why"),
     [
         ("E2B and Daytona sandboxes are working for every recipe.", "only tested against a local fake"),
-        ("LoRA is fully supported, multi-LoRA included.", "lora is 'partial'"),
-        ("- R3 routing replay: tested and production-ready.", "r3 is 'partial'"),
+        ("Multi-node runs are fully supported, on every cluster.", "ray is 'partial'"),
+        ("- Plug points: tested and production-ready.", "plug-points is 'partial'"),
     ],
 )
 def test_more_overclaims_the_prose_check_names(tree, sentence, why):
