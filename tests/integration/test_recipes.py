@@ -11,9 +11,14 @@ teaches nothing in 8 steps, so the RL runs use `odd_tokens` (below): the fractio
 tokens with an odd id, sampled with `rollout.top_k=4` so each choice is among the model's 4
 likeliest tokens. It is ~0.5 at initialisation, varies within a group, and every estimator here
 raises it to ~1.0 in 8 steps; DAPO gets the binary `odd_majority` so that some groups agree and its
-dynamic filter has something to drop. The margin (`MARGIN`, mean reward of the last `WINDOW` steps
-over the first `WINDOW`) fails when the run does not learn: with `FURLONG_TEST_RECIPES_LR=1e-9`
-(no learning) the debug recipe's test fails on it (checked; the others share the same assertion).
+dynamic filter has something to drop. What must improve is the held-out greedy evaluation the run
+itself makes before and after RL (`EVAL_MARGIN` on `eval/mean_reward`, 8 prompts): it scores the
+trained policy, not the sampling noise of 16 samples a step. The training reward's window gain
+(`MARGIN`, last `WINDOW` steps over the first) was the criterion before and failed a correct run: PPO
+at this learning rate reached 0.99 by step 3 (a first window already high) or dipped to 0.07 for a
+step and recovered. Measured over 4 seeds of every RL recipe here: eval gain 0.36-0.65 (window gain
+0.14-0.68). With `FURLONG_TEST_RECIPES_LR=1e-9` (no learning) before equals after and every RL test
+fails on it.
 
 SFT runs with no engine at all (the check: the run reports no engine started and no new
 `furlong serve` process appears on the machine while it trains), and its held-out NLL on the
@@ -40,7 +45,8 @@ RECIPES = ROOT / "recipes"
 HERE = __name__  # how pytest imported this module: the reward plug points below are named through it
 STEPS = 8
 WINDOW = 3
-MARGIN = 0.08  # reward gain, last WINDOW steps over the first WINDOW
+MARGIN = 0.08  # training reward gain, last WINDOW steps over the first WINDOW (DAPO, seeded in sync mode)
+EVAL_MARGIN = 0.2  # held-out greedy eval/mean_reward, after RL over before (4 seeds x 10 recipes: 0.36 at least)
 SFT_NLL_DROP = 0.5  # nats per token, held-out
 OPD_STEPS = 24
 MATH_GAIN = 0.15  # held-out sampled pass@1, after GRPO over after the SFT warm-up
@@ -90,6 +96,12 @@ def _gain(rows: list[dict[str, float]], key: str = "rollout/reward_mean", window
     vals = [r[key] for r in rows if key in r]
     assert len(vals) >= 2 * window, f"{len(vals)} steps logged {key}"
     return sum(vals[-window:]) / window - sum(vals[:window]) / window
+
+
+def assert_learned(result: dict[str, Any], name: str) -> None:
+    """The held-out greedy evaluation after RL beats the one before by `EVAL_MARGIN` (see the module docstring)."""
+    before, after = result["before"]["eval/mean_reward"], result["after"]["eval/mean_reward"]
+    assert after - before >= EVAL_MARGIN, f"{name}: held-out eval reward {before:.3f} -> {after:.3f} (< {EVAL_MARGIN})"
 
 
 @pytest.fixture(scope="module")
@@ -146,8 +158,7 @@ def test_rl_recipe_trains_its_estimator(recipe, warm):
     assert ran == {cfg.algo.advantage}, f"{recipe}: advantage metrics of {ran}, expected only {cfg.algo.advantage}"
     sequence = any("policy/seq_ratio_mean" in r for r in rows)
     assert sequence == (cfg.algo.ratio_type == "sequence"), f"{recipe}: sequence-ratio metrics {sequence}"
-    gain = _gain(rows)
-    assert gain >= MARGIN, f"{recipe}: reward gain {gain:.3f} < {MARGIN} over {STEPS} steps"
+    assert_learned(result, recipe)
 
 
 @pytest.mark.timeout(900)
