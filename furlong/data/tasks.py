@@ -50,6 +50,7 @@ import hashlib
 import operator
 import random
 import re
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -105,11 +106,16 @@ def calculate(expression: str, max_abs: int = 10**12) -> int:
     if len(expression) > 200:
         raise ValueError("calculator: expression longer than 200 characters")
     try:
-        tree = ast.parse(expression.strip(), mode="eval")
+        with _PARSE_LOCK:  # CPython 3.11's AST builder keeps its recursion depth per interpreter, not per thread
+            tree = ast.parse(expression.strip(), mode="eval")
     except SyntaxError as e:
         raise ValueError(f"calculator: cannot parse {expression!r}") from e
     return walk(tree.body)
 
+
+# Two threads parsing at once (rewards in `asyncio.to_thread`, a task built beside them) raised
+# "SystemError: AST constructor recursion depth mismatch" (CPython gh-106905) in a recipe test.
+_PARSE_LOCK = threading.Lock()
 
 # ---------------------------------------------------------------- scoring
 _ANSWER = re.compile(r"answer\s*:", re.IGNORECASE)

@@ -10,7 +10,10 @@ from furlong.observe.reader import RunReader
 @pytest.fixture(scope="module")
 def ray_local():
     ray = pytest.importorskip("ray")
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    # A Ray of this module's own: an earlier run in this worker may have left its Ray up (and RAY_ADDRESS set)
+    if ray.is_initialized():
+        ray.shutdown()
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
     yield ray
     ray.shutdown()
 
