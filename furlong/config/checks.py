@@ -144,6 +144,8 @@ def resolve(cfg: ConfigView) -> list[Problem]:
         data.task = None
     if data.eval_path is None and not _set(cfg, "data", "eval_task"):
         data.eval_task = data.task
+    if ro.routing_replay and cfg.train.compile == "auto":
+        cfg.train.compile = False  # a compiled layer would not run R3's replay hooks (train/compiled.py)
     if cfg.engine.backend == "sglang" and not _set(cfg, "weights", "transport"):
         cfg.weights.transport = "broadcast"  # SGLang's own sync path (the default shm is furlong's engine only)
     return _resolve_defaults_from(cfg) + _resolve_batch(cfg)
@@ -265,6 +267,7 @@ def _check_rollout(cfg: ConfigView, bad: Bad) -> None:
         ("model.arch", no_experts, f"model.arch={cfg.model.arch} has no experts"),
         ("engine.backend", cfg.engine.backend == "sglang", "engine.backend=sglang does not record routes yet"),
         ("train.gradient_checkpointing", cfg.train.gradient_checkpointing, "checkpoint recompute skips replay"),
+        ("train.compile", cfg.train.compile is True, "train.compile=true: a compiled layer does not run its hooks"),
     ):
         if ro.routing_replay and broken:
             bad(("rollout.routing_replay", field), f"rollout.routing_replay=true replays MoE expert routing; {why}")

@@ -227,6 +227,8 @@ class TrainConfig(Section):
     dtype: Literal["float32", "bfloat16"] = "float32"  # parameter dtype in training; unset -> model.dtype
     qat: Literal["none", "int4"] = "none"  # quantisation-aware training of the weights
     gradient_checkpointing: bool = False
+    # torch.compile of each decoder layer, forward + backward (train/compiled.py); auto: on CUDA only
+    compile: bool | Literal["auto"] = "auto"
     ref_update_every: int = Field(0, ge=0)  # RL steps; 0 = the reference model stays frozen
     checkpoint_every: int = Field(50, ge=0)  # RL steps between checkpoints; 0 = by time (or only at the end)
     checkpoint_every_min: float = Field(30.0, ge=0)  # minutes between checkpoints (whichever comes first); 0 = off

@@ -32,7 +32,7 @@ import torch
 from torch import Tensor, nn
 
 from furlong.core.sample import ROUTE_DTYPES, Sample, SampleError, decode_routes
-from furlong.train import dist
+from furlong.train import compiled, dist
 
 # Per model: [token-layer pairs replayed, of them differing, tokens replayed, of them differing in any layer].
 _COUNTS: weakref.WeakKeyDictionary[nn.Module, Tensor] = weakref.WeakKeyDictionary()
@@ -85,6 +85,8 @@ def replayed(model: nn.Module, routes: Tensor | None) -> Callable[..., Any]:
             f"rollout.routing_replay: the samples carry routes for {routes.shape[1]} MoE layers but the trainer's "
             f"model has {len(routers)} (a model without experts, or not the model the engines serve)"
         )
+    if compiled.is_compiled(model):  # a compiled layer would not run the hooks below
+        raise ValueError("rollout.routing_replay=true does not combine with train.compile (set train.compile=off)")
     if _checkpointing(model):
         # The backward recomputes each block after this forward has returned, with the hooks gone.
         raise ValueError("rollout.routing_replay=true does not combine with train.gradient_checkpointing=true")

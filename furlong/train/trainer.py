@@ -38,7 +38,7 @@ from torch import Tensor, nn
 
 from furlong.core import spans
 from furlong.core.sample import Sample, SampleError
-from furlong.train import checkpoint, dist, mfu, qat, routing_replay
+from furlong.train import checkpoint, compiled, dist, mfu, qat, routing_replay
 from furlong.train.batch import Packed, TrainBatch, micro_batches, pack, partition
 from furlong.train.critic import ValueModel
 from furlong.train.hooks import TrainerHooks
@@ -102,6 +102,7 @@ class Trainer:
                 "algo.reducer_constant must be set (e.g. rollout.max_new_tokens) for loss_reducer='constant'"
             )
         torch.manual_seed(int(seed))  # adapter / head init must agree on every rank
+        self.compile_clock = compiled.Clock(compiled.wanted(train_cfg.compile, self.device))  # train.compile
 
         policy = self._load_lm()
         if train_cfg.gradient_checkpointing:
@@ -141,6 +142,8 @@ class Trainer:
             model.requires_grad_(False).eval()
         if self.world_size > 1:
             dist.shard(model, self.device, self.cfg.mixed_precision)
+        if self.compile_clock.on:
+            compiled.compile_layers(model)  # after sharding: FSDP2 units are the layers themselves
         return model
 
     def _modules(self) -> list[nn.Module]:
@@ -356,6 +359,7 @@ class Trainer:
 
     def _optimise(self, batch: TrainBatch, loss_fn: Callable) -> dict[str, float]:
         t_step, plan = time.perf_counter(), self._plan(batch.seq_lengths)
+        compile_mark = self.compile_clock.mark()
         totals = self._totals(batch)
         optimizers = [self.optimizer] + ([self.critic_optimizer] if self.critic is not None else [])
         for m in self._modules():
@@ -420,7 +424,8 @@ class Trainer:
             with torch.no_grad():
                 for r, p in zip(self.ref.parameters(), self.policy.parameters()):
                     r.copy_(p)
-        out |= mfu.for_step(self.policy, self.dtype, self.device, sum(batch.seq_lengths), t_step)  # perf/mfu
+        spent = self.compile_clock.report(compile_mark, out)  # perf/compile_s, kept out of the step's MFU
+        out |= mfu.for_step(self.policy, self.dtype, self.device, sum(batch.seq_lengths), t_step + spent)
         return out | {
             "step": float(self.step),
             "nonfinite/skipped": float(not finite),
