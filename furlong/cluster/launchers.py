@@ -29,7 +29,14 @@ def check_backend(engine: EngineConfig) -> None:
 
 
 def engine_command(
-    engine: EngineConfig, *, model_dir: str, port: int, admin_token: str, threads: int, host: str | None = None
+    engine: EngineConfig,
+    *,
+    model_dir: str,
+    port: int,
+    admin_token: str,
+    threads: int,
+    host: str | None = None,
+    niceness: int = 0,
 ) -> Command:
     """The argv (and, in its `env`, the admin token) of one engine process, for the launcher `engine.backend` names.
 
@@ -52,6 +59,7 @@ def engine_command(
         device=engine.device,
         quantization=engine.quantization,
         cuda_graphs=engine.cuda_graphs,
+        niceness=niceness,
     )
 
 

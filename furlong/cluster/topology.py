@@ -11,9 +11,17 @@
 
 Threads: each process gets `cluster.threads_per_process`, or the cores divided by
 the processes that compute at the same time (in sync mode engines and trainer take
-turns, so each may use every core), so two cores are never oversubscribed. An
-`OMP_NUM_THREADS` in the environment caps the derived count: a user (or a test runner
-sharing the machine) who asked for one thread per process gets one.
+turns, so each may use every core). An `OMP_NUM_THREADS` in the environment caps the
+derived count: a user (or a test runner sharing the machine) who asked for one thread
+per process gets one.
+
+Time-shared cores (`cluster.share_cores`, async modes): splitting two cores 1 + 1 between
+trainer and engine cost the trainer 1.7x per step (it scales 1.73x from one thread to two)
+while generation rarely needed its core all the time. So in async modes every process takes
+the threads a sync run gives it, and where that oversubscribes the cores the engines run at
+lower priority (`cluster.engine_niceness`, nice +10 by default): the kernel gives the trainer
+the cores whenever it computes and the engines every cycle it leaves idle (waiting for a
+batch, a weight sync, the driver), which a split would waste.
 
 Priority: the local Ray starts its workers at nice 0 (`RAY_worker_niceness`; Ray's default is
 15), since they are the run's compute, not background work. At nice 15 any other busy program
@@ -44,14 +52,26 @@ if TYPE_CHECKING:
 NICENESS = "RAY_worker_niceness"  # read by the raylet when it starts
 
 
+def _cores(cluster: ClusterConfig) -> int:
+    return cluster.num_cpus or os.cpu_count() or 1
+
+
 def threads_per_process(cluster: ClusterConfig, world_size: int, num_engines: int, mode: str) -> int:
     if cluster.threads_per_process:
         return cluster.threads_per_process
-    cores = cluster.num_cpus or os.cpu_count() or 1
-    busy = max(world_size, num_engines) if mode == "sync" else world_size + num_engines
-    derived = max(1, cores // busy)
+    turns = mode == "sync" or cluster.share_cores  # take turns on the cores, or time-share them by priority
+    busy = max(world_size, num_engines) if turns else world_size + num_engines
+    derived = max(1, _cores(cluster) // busy)
     cap = os.environ.get("OMP_NUM_THREADS", "")
     return min(derived, int(cap)) if cap.isdigit() and int(cap) > 0 else derived
+
+
+def engine_niceness(cluster: ClusterConfig, world_size: int, num_engines: int, mode: str, threads: int) -> int:
+    """How much lower the engines' CPU priority is: `cluster.engine_niceness` where an async run's threads
+    oversubscribe the cores (time-shared, see the module docstring), else 0."""
+    if mode == "sync" or not cluster.share_cores:
+        return 0
+    return cluster.engine_niceness if threads * (world_size + num_engines) > _cores(cluster) else 0
 
 
 def bundles_needed(cluster: ClusterConfig, world_size: int, num_engines: int) -> int:
@@ -150,12 +170,14 @@ class Topology:
         threads: int,
         weights: WeightsConfig | None = None,
         eval_engines: int = 0,
+        niceness: int = 0,
     ) -> Topology:
         """`weights`: where the run's transport is checked against the placement (None: not checked).
-        `eval_engines`: engines for `rollout.eval_mode=dedicated`, placed after the others, not routed."""
+        `eval_engines`: engines for `rollout.eval_mode=dedicated`, placed after the others, not routed.
+        `niceness`: the engines' lower CPU priority on time-shared cores (`engine_niceness`)."""
         top = cls(Path(run_dir), admin_token)
         try:
-            top._launch(cluster, engine, router, trainer, threads, weights, eval_engines)
+            top._launch(cluster, engine, router, trainer, threads, weights, eval_engines, niceness)
         except BaseException:
             top.shutdown()  # a half-started topology must not keep its actors and bundles (shared Ray, auto-restart)
             raise
@@ -170,6 +192,7 @@ class Topology:
         threads: int,
         weights: WeightsConfig | None,
         n_eval: int = 0,
+        niceness: int = 0,
     ) -> None:
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
@@ -231,14 +254,8 @@ class Topology:
             for i in range(ne + n_eval):  # the eval engines last: eval-engine-j is engine ne + j
                 port = engine.port_base + i if engine.port_base else free_port()
                 bind, url_host = nodes.bind_host(engine.host, placed[ws + i][1], multi)
-                argv = engine_command(
-                    engine,
-                    model_dir=trainer.model_dir,
-                    port=port,
-                    admin_token=self.admin_token,
-                    threads=threads,
-                    host=bind,
-                )
+                opts = dict(port=port, admin_token=self.admin_token, threads=threads, host=bind, niceness=niceness)
+                argv = engine_command(engine, model_dir=trainer.model_dir, **opts)
                 name = f"engine-{i}" if i < ne else f"eval-engine-{i - ne}"
                 actor = ProcessActor.options(**at(ws + i, num_cpus=1, num_gpus=gpu)).remote(
                     name, argv, port, str(logs / f"{name}.log"), threads, url_host

@@ -56,6 +56,9 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--admin-token-file", default=None, metavar="PATH", help="file holding the admin token (mode 0600)")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's choice)")
+    p.add_argument(
+        "--niceness", type=int, default=0, help="lower this engine's CPU priority by N (nice) before it computes"
+    )
     p.add_argument("--log-level", default="warning")
     return p
 
@@ -71,6 +74,8 @@ def main(argv: list[str] | None = None) -> int:
         token = admin_token.resolve("furlong serve", args.host, args.port, args.admin_token, args.admin_token_file)
     except ValueError as e:
         parser().error(str(e))
+    if args.niceness:  # before any thread exists: every thread it starts inherits the priority
+        os.nice(args.niceness)
     import torch
     import uvicorn
 

@@ -45,8 +45,12 @@ def engine_argv(
     device: str = "auto",
     quantization: str = "none",
     cuda_graphs: bool = False,
+    niceness: int = 0,
 ) -> Command:
     """The argv (and environment: the admin token) that starts one engine server of `backend`.
+
+    `niceness`: the built-in engine lowers its own CPU priority by this much (time-shared cores,
+    `cluster.share_cores`); SGLang ignores it (it computes on a GPU).
 
     ValueError naming `engine.backend` for an unknown backend, and (sglang) naming the setting
     SGLang cannot honour, e.g. a `max_context` over the model's positions.
@@ -79,6 +83,8 @@ def engine_argv(
             argv += ["--quantization", quantization]
         if cuda_graphs:
             argv.append("--cuda-graphs")
+        if niceness:
+            argv += ["--niceness", str(niceness)]
         return Command(argv, token_env(admin_token))
     if backend == "sglang":
         from furlong.engine import sglang
