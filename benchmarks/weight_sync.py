@@ -16,6 +16,9 @@ model-sized torch copy into an already-touched buffer (best of 5), and a
 copy into fresh memory (what a copy that must first fault its pages in costs).
 p2p runs with one trainer rank here (it is then the shm path with p2p's
 bookkeeping); its multi-rank form is exercised by tests/integration/test_weights_p2p.py.
+`shm_resident` is the shm transport with the sending process's parameters resident in shared
+memory (`weights/resident.py`, what a one-rank trainer does): the engine reads them in place,
+so the sender copies nothing.
 
     python benchmarks/weight_sync.py [--models m25,100m] [--repeats 3] [--bucket-mb 64] [--threads 1]
 """
@@ -36,6 +39,8 @@ import torch
 
 from furlong.core.net import free_port
 from furlong.weights.factory import TRANSPORTS
+
+VARIANTS = [*TRANSPORTS, "shm_resident"]
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _machine  # noqa: E402
@@ -126,6 +131,7 @@ def bench_model(name: str, path: Path, args, workdir: Path) -> list[dict]:
     base = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).state_dict()
     sets = [{n: t.clone() for n, t in base.items()}, {n: t * 1.001 for n, t in base.items()}]
     del base
+    residents = resident_sets(path) if "shm_resident" in args.transports else []
     size = sum(t.numel() * 4 for t in sets[0].values())
     params = sum(t.numel() for t in sets[0].values())
     print(f"[{name}] {params / 1e6:.1f}M parameters, {size / 1e6:.0f} MB fp32; starting the engine ...", flush=True)
@@ -136,18 +142,21 @@ def bench_model(name: str, path: Path, args, workdir: Path) -> list[dict]:
             opts = {"bucket_mb": args.bucket_mb}
             if transport == "disk":
                 opts["directory"] = workdir / f"weights-{name}"
-            sender = make_sender(transport, **opts)
+            sender = make_sender(transport.removesuffix("_resident"), **opts)
             sender.connect([url], TOKEN)
             rates = []
             try:
                 for _ in range(args.repeats):
                     version += 1
-                    report = sender.push(sets[version % 2].items(), version)
+                    if transport == "shm_resident":  # the engine reads these parameters in place
+                        sender.resident = residents[version % 2][0]
+                    pushed = residents[version % 2][1] if transport == "shm_resident" else sets[version % 2]
+                    report = sender.push(pushed.items(), version)
                     rates.append(report.gbps)
                     print(f"  {report.summary()}", flush=True)
             finally:
                 sender.close()
-            verify([url], TOKEN, sets[version % 2].items())
+            verify([url], TOKEN, pushed.items())
             rows.append(
                 {
                     "model": name,
@@ -161,7 +170,29 @@ def bench_model(name: str, path: Path, args, workdir: Path) -> list[dict]:
     finally:
         proc.terminate()
         proc.wait(30)
+        for resident, _ in residents:
+            resident.close()
     return rows
+
+
+def resident_sets(path: Path) -> list[tuple[object, dict[str, torch.Tensor]]]:
+    """Two weight sets (the model, and it x 1.001), each a model whose parameters are resident in shared
+    memory: (ResidentWeights, its state dict)."""
+    from transformers import AutoModelForCausalLM
+
+    from furlong.weights.resident import ResidentWeights
+
+    out = []
+    for scale in (1.0, 1.001):
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.mul_(scale)
+        resident = ResidentWeights.adopt(model)
+        if resident is None:
+            raise SystemExit("shm_resident: /dev/shm has no room for two copies of the model")
+        out.append((resident, model.state_dict()))
+    return out
 
 
 def shm_anatomy(path: Path, bucket_mb: float) -> dict[str, float]:
@@ -220,15 +251,15 @@ def shm_anatomy(path: Path, bucket_mb: float) -> dict[str, float]:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--models", default="m25,100m", help="comma list of m25 and 100m")
-    p.add_argument("--transports", default=",".join(TRANSPORTS))
+    p.add_argument("--transports", default=",".join(VARIANTS))
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--bucket-mb", type=float, default=64)
     p.add_argument("--threads", type=int, default=1, help="torch threads of this process and of the engine")
     args = p.parse_args(argv)
     args.transports = [t for t in args.transports.split(",") if t]
-    bad = [t for t in args.transports if t not in TRANSPORTS]
+    bad = [t for t in args.transports if t not in VARIANTS]
     if bad:
-        p.error(f"--transports: unknown {bad}; choose from {list(TRANSPORTS)}")
+        p.error(f"--transports: unknown {bad}; choose from {VARIANTS}")
     torch.set_num_threads(args.threads)
     _machine.header()
     from furlong.models import create_model
@@ -266,7 +297,7 @@ def main(argv: list[str] | None = None) -> int:
             f"| {r['model']} | {r['params_m']:.1f}M | {r['mb']:.0f} | {r['transport']} | {r['best']:.3f} | "
             f"{r['median']:.3f} | {r['best'] / warm:.1%} |"
         )
-    shm = [r["best"] / warm for r in rows if r["transport"] == "shm"]
+    shm = [r["best"] / warm for r in rows if r["transport"] in ("shm", "shm_resident")]
     print("\nRATIO " + " ".join(f"{r['model']}_{r['transport']}_vs_memcpy={r['best'] / warm:.3f}" for r in rows))
     if shm:
         print(f"RESULT shm_vs_memcpy={max(shm):.3f} target=0.5 {'MET' if max(shm) >= 0.5 else 'NOT MET'}")

@@ -77,6 +77,7 @@ class TrainerActor:
         self.rank, self.world_size, self.threads, self.seed = rank, world_size, threads, seed
         self.trainer = None
         self.sender = None
+        self.resident = None  # the policy's parameters in shared memory (None: not yet; False: not here)
         self.engine = None  # a colocated engine (cluster.colocate) lives here, in rank 0
         self.dirty = False  # the weights changed since the last push (the engines start on these very weights)
 
@@ -144,6 +145,8 @@ class TrainerActor:
             if self.sender is None:
                 self.sender = make_sender(transport, rank=self.rank, world_size=self.world_size, **opts)
                 self.sender.connect(urls, admin_token)
+                if hasattr(self.sender, "resident"):  # shm, delta: engines read the parameters in place
+                    self.sender.resident = self._resident()
             with spans.span(f"trainer/{self.rank}", "weight-push", version=version, engines=len(urls)):
                 report = self.sender.push(self.trainer.state_dict_for_sync(), version)
         except Exception:
@@ -167,6 +170,17 @@ class TrainerActor:
                 pass
             self.sender = None
 
+    def _resident(self):
+        """The policy's parameters moved into shared memory, once (`weights/resident.py`): one rank, and a
+        sync that sends the parameters themselves (not LoRA merges or QAT's fake-quantised weights)."""
+        from furlong.weights.resident import ResidentWeights
+
+        t = self.trainer
+        if self.resident is None:
+            plain = self.world_size == 1 and not t.lora and t.qat == "none"
+            self.resident = (ResidentWeights.adopt(t.policy) if plain else None) or False
+        return self.resident or None
+
     def weight_checksums(self) -> dict[str, int]:
         from furlong.weights.tensors import checksum
 
@@ -176,6 +190,8 @@ class TrainerActor:
         profiling.stop()  # the actor is killed next: its atexit would not run
         if self.sender is not None and hasattr(self.sender, "close"):
             self.sender.close()
+        if self.resident:
+            self.resident.close()
         if self.engine is not None:
             engine, server = self.engine
             server.__exit__(None, None, None)

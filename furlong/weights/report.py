@@ -36,6 +36,7 @@ class SyncReport:
     buckets: int = 0
     tensors: int = 0
     unchanged: int = 0  # delta: tensors not sent because their checksum did not change
+    zero_copy_bytes: int = 0  # shm/delta: bytes the engines read in place from the trainer's resident parameters
     verified: bool = False  # weights.verify: engine checksums matched the pushed tensors
     engines: dict[str, EngineResult] = field(default_factory=dict)
 

@@ -14,6 +14,11 @@ unlinks them in `close()` — or, with `reuse_segments=False`, right after the
 engines acknowledge. The segments are registered with Python's resource
 tracker, so a crashed trainer does not leak them.
 
+Zero copy (`resident`, a `weights.resident.ResidentWeights` the trainer process sets once): tensors
+that already lie in the trainer's resident parameter segment are not copied at all; their buckets'
+handles name that segment and the tensors' offsets in it, and the engines read the parameters in place.
+The rest (computed tensors, buffers) goes through bucket segments as above.
+
 delta: the same path, but only tensors whose CRC32 changed since the last
 successful sync are sent, each with its CRC32 in the handle, which the engine
 verifies before applying (`read_shm`). The baseline is what the connected
@@ -35,6 +40,7 @@ from furlong.core.client import EngineControl
 from furlong.weights.base import Sender, buckets, layout, nbytes
 from furlong.weights.checksums import VerifyUnsupported, engine_checksums
 from furlong.weights.report import SyncReport
+from furlong.weights.resident import ResidentWeights
 from furlong.weights.tensors import checksum, copy_into, dtype_name
 
 IN_FLIGHT = 2
@@ -81,6 +87,7 @@ class ShmSender(Sender):
         self.with_checksum = checksum
         self.reuse_segments = reuse_segments
         self._free: list[shared_memory.SharedMemory] = []
+        self.resident: ResidentWeights | None = None  # the trainer's parameter segment, owned by the trainer
 
     def close(self) -> None:
         super().close()
@@ -88,7 +95,23 @@ class ShmSender(Sender):
             unlink(self._free.pop())
 
     def _send(self, items: list[tuple[str, torch.Tensor]], report: SyncReport) -> None:
-        self._send_groups(buckets(items, self.bucket_bytes), report, stamp_last=True)
+        here = self.resident.locate if self.resident is not None else lambda t: None
+        held = [(n, t) for n, t in items if here(t) is not None]  # read in place: no bucket, no copy
+        rest = [(n, t) for n, t in items if here(t) is None]
+        self._send_groups(buckets(held, self.bucket_bytes) + buckets(rest, self.bucket_bytes), report, stamp_last=True)
+
+    def _resident_handle(self, group: list[tuple[str, torch.Tensor]], crcs: dict[str, int] | None) -> dict | None:
+        """The handle of a group whose every tensor lies in the resident segment (None otherwise)."""
+        if self.resident is None:
+            return None
+        specs = []
+        for name, t in group:
+            offset = self.resident.locate(t)
+            if offset is None:
+                return None
+            spec = {"name": name, "dtype": dtype_name(t.dtype), "shape": list(t.shape), "offset": offset}
+            specs.append(spec | {"nbytes": nbytes(t)} | ({"crc32": crcs[name]} if crcs is not None else {}))
+        return {"shm_name": self.resident.name, "tensors": specs}
 
     def _send_groups(self, groups: list[list[tuple[str, torch.Tensor]]], report: SyncReport, stamp_last: bool) -> None:
         """Post each group as one segment; the last one carries the new version if `stamp_last`."""
@@ -98,7 +121,11 @@ class ShmSender(Sender):
                 if not any(e.ok for e in report.engines.values()):
                     break
                 crcs = self._crcs(group) if self.with_checksum else None
-                seg, handle = write_segment(group, self._free, crcs, self.bucket_bytes)
+                seg, handle = None, self._resident_handle(group, crcs)
+                if handle is None:
+                    seg, handle = write_segment(group, self._free, crcs, self.bucket_bytes)
+                else:
+                    report.zero_copy_bytes += sum(nbytes(t) for _, t in group)
                 last = stamp_last and k == len(groups) - 1
                 futures = self._post_all(EngineControl.update_weights_from_tensor, last, shm=handle)
                 inflight.append((seg, futures))
@@ -114,14 +141,15 @@ class ShmSender(Sender):
     def _crcs(self, group: list[tuple[str, torch.Tensor]]) -> dict[str, int]:
         return {n: checksum(t) for n, t in group}
 
-    def _release(self, seg: shared_memory.SharedMemory, futures) -> None:
-        """Wait until every engine answered for this segment, then keep it for the next bucket (or free it)."""
+    def _release(self, seg: shared_memory.SharedMemory | None, futures) -> None:
+        """Wait until every engine answered for this segment, then keep it for the next bucket (or free it);
+        `seg` None: a bucket of the resident segment, which is the trainer's to keep."""
         try:
             self._wait(futures)
         finally:
-            if self.reuse_segments and len(self._free) < IN_FLIGHT:
+            if seg is not None and self.reuse_segments and len(self._free) < IN_FLIGHT:
                 self._free.append(seg)
-            else:
+            elif seg is not None:
                 unlink(seg)
 
 

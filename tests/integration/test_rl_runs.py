@@ -267,6 +267,8 @@ def test_train_runs_end_to_end_and_leaves_no_process(sync_run):
     assert [m["step"] for m in lines] == list(range(1, STEPS + 1))
     assert all("rollout/reward_mean" in m for m in lines)
     assert all(m["weight_sync/verified"] == 1 for m in lines), "weights.verify=true did not verify every sync"
+    # One trainer rank over shm: the engines read the trainer's resident parameters in place (weights/resident.py)
+    assert all(0 < m["weight_sync/zero_copy_bytes"] == m["weight_sync/bytes"] for m in lines), lines[-1]
     batches = samples(sync_run)
     assert [len(b) for b in batches] == [4] * STEPS
     assert {s.reward for b in batches for s in b} == {0.0, 1.0}, "parity_reward should vary (else weights cannot move)"

@@ -259,3 +259,51 @@ def test_shm_segments_are_reused_then_unlinked(world, tmp_path, reuse):
     assert not any(os.path.exists(f"/dev/shm/{n}") for n in kept)
     want = {n: checksum(t) for n, t in world["old_sd"].items()}
     assert all(engine_sums(e) == want and e.weight_version == 2 for e in world["engines"])
+
+
+@pytest.mark.parametrize("transport", ["shm", "delta"])
+def test_resident_parameters_travel_without_a_copy(world, tmp_path, transport):
+    """The trainer's parameters moved into shared memory are read by the engines in place: no bucket segment
+    is written for them, an optimiser step keeps them there, and a tensor computed for the sync (not held)
+    still travels through a bucket; every push ends verified against the engines' checksums."""
+    from furlong.weights.resident import ResidentWeights
+
+    reset(world)
+    model = AutoModelForCausalLM.from_pretrained(create_model("qwen3", "tiny", seed=1))
+    resident = ResidentWeights.adopt(model)
+    assert resident is not None
+    sd = model.state_dict()
+    assert all(resident.locate(t) is not None for t in sd.values())
+    assert {n: checksum(t) for n, t in sd.items()} == {n: checksum(t) for n, t in world["new_sd"].items()}
+    s = sender(transport, tmp_path, verify=True)
+    s.resident = resident
+    s.connect(world["urls"], TOKEN)
+    try:
+        first = s.push(model.state_dict().items(), 7)
+        assert first.verified and first.zero_copy_bytes == first.bytes > 0 and s._free == []
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+        model(input_ids=torch.tensor([[5, 6, 7]])).logits.sum().backward()
+        opt.step()  # in place: the parameters stay in the segment
+        assert all(resident.locate(p) is not None for p in model.parameters())
+        items = dict(model.state_dict())
+        key = "model.layers.0.mlp.up_proj.weight"
+        items[key] = items[key] * 1.5  # computed for the sync, as a LoRA merge would be: not in the segment
+        second = s.push(items.items(), 8)
+        assert second.verified and second.zero_copy_bytes == second.bytes - items[key].numel() * 4
+        assert len(s._free) == 1  # one bucket segment, for that one tensor
+    finally:
+        s.close()
+        resident.close()
+    want = {n: checksum(t) for n, t in items.items()}
+    for e in world["engines"]:
+        assert {n: v for n, v in engine_sums(e).items() if n in want} == want and e.weight_version == 8
+
+
+def test_resident_weights_are_refused_without_room_in_dev_shm(monkeypatch):
+    from furlong.weights import resident
+
+    model = AutoModelForCausalLM.from_pretrained(create_model("qwen3", "tiny"))
+    before = {n: p.data_ptr() for n, p in model.named_parameters()}
+    monkeypatch.setattr(resident, "MARGIN", 10**9)  # more than any /dev/shm holds
+    assert resident.ResidentWeights.adopt(model) is None
+    assert {n: p.data_ptr() for n, p in model.named_parameters()} == before  # nothing moved
