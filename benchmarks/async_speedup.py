@@ -4,8 +4,11 @@ Each mode runs the same GRPO work through furlong's real driver (Ray, router, en
 trainer actor, weight sync): the qwen3 `m25` model, 8 prompts × group size 8 per step, every
 response exactly 64 tokens (`ignore_eos`), one optimiser step per rollout batch, the same
 seed, learning rate and core budget (`--threads`, given as `cluster.num_cpus`; the topology
-gives engine and trainer every core in sync mode, where they take turns, and splits them
-when they run at the same time). Overlap and async run with `max_staleness=1`.
+gives engine and trainer every core in sync mode, where they take turns, and in overlap and
+async mode too, time-shared with the engines at lower priority: `cluster.share_cores`).
+Overlap and async run with `max_staleness=1`. `--split` adds a row of fully async with the
+cores split between trainer and engine instead (`cluster.share_cores=false`), the layout
+before time sharing, on the same work.
 
 What is timed: steady state only. After `--warmup` untimed steps, from the end of the last
 warm-up step to the end of the last of `--steps` timed steps, from the per-step wall clock in
@@ -20,7 +23,7 @@ by at most that much work; the default warm-up of 2 steps lets the buffer settle
 The machine line (`_machine.header`) is printed first.
 
     python benchmarks/async_speedup.py [--steps 5] [--runs 3] [--warmup 2] [--threads 2] [--size m25]
-        [--env-latency] [--smoke]
+        [--env-latency] [--split] [--smoke]
 
 Last line: `SPEEDUP overlap_vs_sync=<x> async_vs_sync=<y>`.
 """
@@ -35,6 +38,8 @@ import sys
 import _machine
 from rl_bench import MODES, Work, breakdown, median_run, run_furlong, shutdown_ray
 
+SPLIT = ("cluster.share_cores=false",)  # the cores split between trainer and engine, as before time sharing
+
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -47,6 +52,7 @@ def main(argv: list[str] | None = None) -> int:
         "--smoke", action="store_true", help="tiny model, 2x2 samples of 8 tokens, 1 timed step: proves the script runs"
     )
     ap.add_argument("--env-latency", action="store_true", help="episodes with 4 tool calls of 100-300 ms each")
+    ap.add_argument("--split", action="store_true", help="also fully async with the cores split (share_cores=false)")
     args = ap.parse_args(argv)
     if args.warmup < 1 or args.steps < 1:
         ap.error("--warmup and --steps must be >= 1")
@@ -64,28 +70,31 @@ def main(argv: list[str] | None = None) -> int:
         flush=True,
     )
     res: dict[str, dict[str, float]] = {}
+    rows = [(mode, mode, ()) for mode in MODES] + ([("async_split", "async", SPLIT)] if args.split else [])
     try:
-        for mode in MODES:
-            res[mode] = median_run(lambda mode=mode: run_furlong(work, mode), 1 if args.smoke else args.runs)
-            print(f"  measured {mode}: {res[mode]['samples_per_s']:.2f} samples/s", flush=True)
+        for name, mode, extra in rows:
+            runs = 1 if args.smoke else args.runs
+            res[name] = median_run(lambda mode=mode, extra=extra: run_furlong(work, mode, extra=extra), runs)
+            print(f"  measured {name}: {res[name]['samples_per_s']:.2f} samples/s", flush=True)
     finally:
         shutdown_ray()
     base = res["sync"]["samples_per_s"]
-    print(f"\n{'mode':<10}{'samples/s':>11}{'s/step':>9}{'vs sync':>10}")
-    for mode in MODES:
-        r = res[mode]
-        print(f"{mode:<10}{r['samples_per_s']:>11.2f}{r['step_s']:>9.2f}{r['samples_per_s'] / base:>9.2f}x")
+    print(f"\n{'mode':<12}{'samples/s':>11}{'s/step':>9}{'vs sync':>10}")
+    for name in res:
+        r = res[name]
+        print(f"{name:<12}{r['samples_per_s']:>11.2f}{r['step_s']:>9.2f}{r['samples_per_s'] / base:>9.2f}x")
     print("\nper-step time, as the driver logs it (in overlap/async, generation also runs during train):")
-    for mode in MODES:
-        print(breakdown(mode, res[mode]))
+    for name in res:
+        print(breakdown(name, res[name]))
     load = os.getloadavg()[0]
     print(
         f"\nload average {load:.1f} on {os.cpu_count()} cores"
         + (" - other work shared the CPU; these figures understate every mode" if load > args.threads + 0.5 else "")
     )
+    split = f" async_split_vs_sync={res['async_split']['samples_per_s'] / base:.2f}" if args.split else ""
     print(
         f"SPEEDUP overlap_vs_sync={res['overlap']['samples_per_s'] / base:.2f} "
-        f"async_vs_sync={res['async']['samples_per_s'] / base:.2f}"
+        f"async_vs_sync={res['async']['samples_per_s'] / base:.2f}" + split
     )
     return 0
 
