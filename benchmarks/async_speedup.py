@@ -4,11 +4,10 @@ Each mode runs the same GRPO work through furlong's real driver (Ray, router, en
 trainer actor, weight sync): the qwen3 `m25` model, 8 prompts × group size 8 per step, every
 response exactly 64 tokens (`ignore_eos`), one optimiser step per rollout batch, the same
 seed, learning rate and core budget (`--threads`, given as `cluster.num_cpus`; the topology
-gives engine and trainer every core in sync mode, where they take turns, and in overlap and
-async mode too, time-shared with the engines at lower priority: `cluster.share_cores`).
-Overlap and async run with `max_staleness=1`. `--split` adds a row of fully async with the
-cores split between trainer and engine instead (`cluster.share_cores=false`), the layout
-before time sharing, on the same work.
+gives engine and trainer every core in sync mode, where they take turns, and splits them
+when they run at the same time). Overlap and async run with `max_staleness=1`. `--shared`
+adds a row of fully async with the cores time-shared instead (`cluster.share_cores=true`:
+every process takes a sync run's threads, the engines at lower priority), on the same work.
 
 What is timed: steady state only. After `--warmup` untimed steps, from the end of the last
 warm-up step to the end of the last of `--steps` timed steps, from the per-step wall clock in
@@ -23,7 +22,7 @@ by at most that much work; the default warm-up of 2 steps lets the buffer settle
 The machine line (`_machine.header`) is printed first.
 
     python benchmarks/async_speedup.py [--steps 5] [--runs 3] [--warmup 2] [--threads 2] [--size m25]
-        [--env-latency] [--split] [--smoke]
+        [--env-latency] [--shared] [--smoke]
 
 Last line: `SPEEDUP overlap_vs_sync=<x> async_vs_sync=<y>`.
 """
@@ -38,7 +37,7 @@ import sys
 import _machine
 from rl_bench import MODES, Work, breakdown, median_run, run_furlong, shutdown_ray
 
-SPLIT = ("cluster.share_cores=false",)  # the cores split between trainer and engine, as before time sharing
+SHARED = ("cluster.share_cores=true",)  # time-shared cores: a sync run's threads each, engines at lower priority
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -52,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
         "--smoke", action="store_true", help="tiny model, 2x2 samples of 8 tokens, 1 timed step: proves the script runs"
     )
     ap.add_argument("--env-latency", action="store_true", help="episodes with 4 tool calls of 100-300 ms each")
-    ap.add_argument("--split", action="store_true", help="also fully async with the cores split (share_cores=false)")
+    ap.add_argument("--shared", action="store_true", help="also fully async on time-shared cores (share_cores=true)")
     args = ap.parse_args(argv)
     if args.warmup < 1 or args.steps < 1:
         ap.error("--warmup and --steps must be >= 1")
@@ -70,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
         flush=True,
     )
     res: dict[str, dict[str, float]] = {}
-    rows = [(mode, mode, ()) for mode in MODES] + ([("async_split", "async", SPLIT)] if args.split else [])
+    rows = [(mode, mode, ()) for mode in MODES] + ([("async_shared", "async", SHARED)] if args.shared else [])
     try:
         for name, mode, extra in rows:
             runs = 1 if args.smoke else args.runs
@@ -91,10 +90,10 @@ def main(argv: list[str] | None = None) -> int:
         f"\nload average {load:.1f} on {os.cpu_count()} cores"
         + (" - other work shared the CPU; these figures understate every mode" if load > args.threads + 0.5 else "")
     )
-    split = f" async_split_vs_sync={res['async_split']['samples_per_s'] / base:.2f}" if args.split else ""
+    shared = f" async_shared_vs_sync={res['async_shared']['samples_per_s'] / base:.2f}" if args.shared else ""
     print(
         f"SPEEDUP overlap_vs_sync={res['overlap']['samples_per_s'] / base:.2f} "
-        f"async_vs_sync={res['async']['samples_per_s'] / base:.2f}" + split
+        f"async_vs_sync={res['async']['samples_per_s'] / base:.2f}" + shared
     )
     return 0
 

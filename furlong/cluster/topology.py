@@ -15,13 +15,13 @@ turns, so each may use every core). An `OMP_NUM_THREADS` in the environment caps
 derived count: a user (or a test runner sharing the machine) who asked for one thread
 per process gets one.
 
-Time-shared cores (`cluster.share_cores`, async modes): splitting two cores 1 + 1 between
-trainer and engine cost the trainer 1.7x per step (it scales 1.73x from one thread to two)
-while generation rarely needed its core all the time. So in async modes every process takes
-the threads a sync run gives it, and where that oversubscribes the cores the engines run at
-lower priority (`cluster.engine_niceness`, nice +10 by default): the kernel gives the trainer
-the cores whenever it computes and the engines every cycle it leaves idle (waiting for a
-batch, a weight sync, the driver), which a split would waste.
+Time-shared cores (`cluster.share_cores=true`, async modes; off by default): splitting two
+cores 1 + 1 between trainer and engine costs the trainer 1.7x per step (it scales 1.73x from
+one thread to two). Shared, every process takes the threads a sync run gives it, and where that
+oversubscribes the cores the engines run at lower priority (`cluster.engine_niceness`, nice +10):
+the kernel gives the trainer the cores whenever it computes and the engines the cycles it leaves
+idle. Off by default because a two-thread trainer beside other busy programs stalls at its
+OpenMP barriers (docs/async.md#time-shared-cores).
 
 Priority: the local Ray starts its workers at nice 0 (`RAY_worker_niceness`; Ray's default is
 15), since they are the run's compute, not background work. At nice 15 any other busy program

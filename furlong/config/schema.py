@@ -303,8 +303,9 @@ class ClusterConfig(Section):
     auto_restart: bool = False  # restart a dead trainer from its last checkpoint
     threads_per_process: int | None = Field(None, ge=1)  # None = cores / processes
     # async modes: trainer and engines each take a sync run's threads and time-share the cores, engines at lower
-    # priority (nice +engine_niceness) so the trainer wins a core whenever it computes; false: split the cores
-    share_cores: bool = True
+    # priority (nice +engine_niceness) so the trainer wins a core whenever it computes; false: split the cores.
+    # Off by default: beside other busy programs a two-thread trainer stalls at its OpenMP barriers (docs/async.md)
+    share_cores: bool = False
     engine_niceness: int = Field(10, ge=0, le=19)
     no_engine_timeout_s: float = Field(300.0, gt=0)  # no engine (or router) serving this long: the run stops
     # Ray resources a trainer rank / engine must be placed on (a node's custom resource or `node:<ip>`); rank or

@@ -38,14 +38,15 @@ def test_engine_niceness_lowers_every_thread_of_the_served_engine():
 
 def test_async_runs_time_share_the_cores_with_the_engines_at_lower_priority(monkeypatch):
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-    two = ClusterConfig(num_cpus=2)
+    two = ClusterConfig(num_cpus=2, share_cores=True)
+    assert not ClusterConfig().share_cores  # opt-in (see docs/async.md#time-shared-cores)
     assert threads_per_process(two, 1, 1, "sync") == 2 and engine_niceness(two, 1, 1, "sync", 2) == 0
     assert threads_per_process(two, 1, 1, "async") == 2  # shared: as many threads as a sync run
     assert engine_niceness(two, 1, 1, "async", 2) == 10  # 2 + 2 threads on 2 cores: the engine yields
     split = ClusterConfig(num_cpus=2, share_cores=False)
     assert threads_per_process(split, 1, 1, "async") == 1 and engine_niceness(split, 1, 1, "async", 1) == 0
     # Threads that fit the cores (one each, or OMP_NUM_THREADS=1) need no priority.
-    assert engine_niceness(ClusterConfig(num_cpus=4), 1, 1, "async", 2) == 0
+    assert engine_niceness(ClusterConfig(num_cpus=4, share_cores=True), 1, 1, "async", 2) == 0
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     assert threads_per_process(two, 1, 1, "async") == 1 and engine_niceness(two, 1, 1, "async", 1) == 0
-    assert engine_niceness(ClusterConfig(num_cpus=2, engine_niceness=3), 1, 2, "overlap", 1) == 3
+    assert engine_niceness(ClusterConfig(num_cpus=2, share_cores=True, engine_niceness=3), 1, 2, "overlap", 1) == 3

@@ -137,7 +137,12 @@ RL = {
     "rloo_arithmetic": ([], ["advantage/rloo/abs_mean"]),
     "reinforce_pp_arithmetic": ([], ["advantage/reinforce_pp/returns_mean", "policy/kl_ref"]),
     "reinforce_pp_baseline_arithmetic": ([], ["advantage/reinforce_pp_baseline/returns_mean"]),
-    "ppo_arithmetic": ([], ["loss/value", "critic/grad_norm", "value/clip_frac", "advantage/gae/returns_mean"]),
+    # overlap: at 2e-2 under load the eval after RL ranged 0.27-0.94 from 0.53 (one run of three below the margin);
+    # at 1e-2 0.92-1.0 in three runs beside two busy cores
+    "ppo_arithmetic": (
+        ["train.lr=1e-2"],
+        ["loss/value", "critic/grad_norm", "value/clip_frac", "advantage/gae/returns_mean"],
+    ),
     "fault_tolerant": ([], ["advantage/grpo/abs_mean"]),
     "demo": (["data.n_train=2000", "rollout.max_staleness=1"], ["advantage/grpo/abs_mean"]),
 }

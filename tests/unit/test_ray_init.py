@@ -64,4 +64,4 @@ def test_omp_num_threads_caps_the_derived_threads_but_not_an_explicit_count(monk
     assert threads_per_process(ClusterConfig(num_cpus=4), 1, 1, "sync") == 1
     assert threads_per_process(ClusterConfig(num_cpus=4, threads_per_process=3), 1, 1, "sync") == 3
     monkeypatch.delenv("OMP_NUM_THREADS")
-    assert threads_per_process(ClusterConfig(num_cpus=4, share_cores=False), 1, 1, "async") == 2
+    assert threads_per_process(ClusterConfig(num_cpus=4), 1, 1, "async") == 2
