@@ -9,11 +9,12 @@ It is also the pattern FSDP2 supports, each layer already being its own
 change rows and length every step; one symbolic graph serves them all where a
 static compile would recompile per shape.
 
-What it buys on CPU, measured on a 2-vCPU AMD EPYC (avx2) with the `small`
-qwen3 model, fp32, one thread, padded micro-batches of 4-8 rows × 64-160
-tokens, forward + backward: 1.2-1.4x the eager step (the fused RMSNorm, RoPE
-and SwiGLU elementwise work), for a one-off compile of ~20-30 s per process
-and grad mode (`perf/compile_s` reports it apart from the step time). Log-probs
+What it buys on CPU, measured on a 2-vCPU Intel Xeon (AVX-512, AMX) beside other
+work (load average 7-9) with the `small` qwen3 model, fp32, one thread, padded
+micro-batches of 4-8 rows × 64-160 tokens, forward + backward: per-layer compile
+1.2x the eager step for ~20 s of compiling; a whole-model compile 1.4x for ~90 s
+(the fused RMSNorm, RoPE and SwiGLU elementwise work). The compile is paid once
+per process and grad mode (`perf/compile_s` reports it apart from the step time). Log-probs
 differ from eager by fp32 reordering only (≤ 1e-4, tested). A short CPU run
 does not earn that back, so `auto` compiles on CUDA only; set `true` for long
 CPU runs.
