@@ -45,12 +45,9 @@ Reward rule, `task.score(response_text, label) -> 1.0 | 0.0`:
 
 from __future__ import annotations
 
-import ast
 import hashlib
-import operator
 import random
 import re
-import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -78,44 +75,84 @@ Question = tuple[str, Any, dict[str, Any]]
 
 
 # ---------------------------------------------------------------- the calculator
-_OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul}
+_TOKEN = re.compile(r"\s*(?:(\d+)|(\S))")
 
 
 def calculate(expression: str, max_abs: int = 10**12) -> int:
     """Evaluate an integer expression of `+ - *`, unary minus and parentheses.
 
     This is the `calculator` tool's implementation and how arithmetic labels are
-    computed. It walks the AST instead of calling `eval`, so a model-written
-    expression can do nothing but arithmetic, and caps magnitudes so `9**9**9`-style
-    blow-ups (built from repeated `*`) stop early. Raises ValueError on anything else.
-    """
+    computed. It is its own small parser rather than `eval` or `ast.parse`, so a
+    model-written expression can do nothing but arithmetic, and it caps magnitudes
+    so `9**9**9`-style blow-ups (built from repeated `*`) stop early. Raises
+    ValueError on anything else. Why not `ast.parse`: CPython 3.11's AST builder
+    keeps its recursion depth per interpreter, not per thread, so two threads
+    parsing at once — ours (rewards run in `asyncio.to_thread`) or any library's —
+    raised "SystemError: AST constructor recursion depth mismatch" (gh-106905) in
+    the test suite, twice, even with our own calls serialised.
 
-    def walk(node: ast.AST) -> int:
-        if isinstance(node, ast.Constant) and type(node.value) is int:
-            value = node.value
-        elif isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)):
-            value = walk(node.operand) * (-1 if isinstance(node.op, ast.USub) else 1)
-        elif isinstance(node, ast.BinOp) and type(node.op) in _OPS:
-            value = _OPS[type(node.op)](walk(node.left), walk(node.right))
+    Grammar (Python's precedence): expr = term (("+" | "-") term)*;
+    term = unary ("*" unary)*; unary = ("+" | "-") unary | INT | "(" expr ")".
+    """
+    if len(expression) > 200:
+        raise ValueError("calculator: expression longer than 200 characters")
+    tokens: list[str | int] = []
+    for number, other in _TOKEN.findall(expression.strip()):
+        if number:
+            tokens.append(int(number))
+        elif other in "+-*()":
+            tokens.append(other)
         else:
-            raise ValueError(f"calculator: unsupported expression {ast.unparse(node)!r}")
+            raise ValueError(f"calculator: unsupported expression {expression!r}")
+    pos = 0
+
+    def peek() -> str | int | None:
+        return tokens[pos] if pos < len(tokens) else None
+
+    def take() -> str | int:
+        nonlocal pos
+        if pos >= len(tokens):
+            raise ValueError(f"calculator: cannot parse {expression!r}")
+        pos += 1
+        return tokens[pos - 1]
+
+    def capped(value: int) -> int:
         if abs(value) > max_abs:
             raise ValueError(f"calculator: value exceeds {max_abs}")
         return value
 
-    if len(expression) > 200:
-        raise ValueError("calculator: expression longer than 200 characters")
-    try:
-        with _PARSE_LOCK:  # CPython 3.11's AST builder keeps its recursion depth per interpreter, not per thread
-            tree = ast.parse(expression.strip(), mode="eval")
-    except SyntaxError as e:
-        raise ValueError(f"calculator: cannot parse {expression!r}") from e
-    return walk(tree.body)
+    def unary() -> int:
+        tok = take()
+        if tok in ("+", "-"):
+            return capped(unary() * (-1 if tok == "-" else 1))
+        if tok == "(":
+            value = expr()
+            if take() != ")":
+                raise ValueError(f"calculator: cannot parse {expression!r}")
+            return value
+        if isinstance(tok, int):
+            return capped(tok)
+        raise ValueError(f"calculator: unsupported expression {expression!r}")
 
+    def term() -> int:
+        value = unary()
+        while peek() == "*":
+            take()
+            value = capped(value * unary())
+        return value
 
-# Two threads parsing at once (rewards in `asyncio.to_thread`, a task built beside them) raised
-# "SystemError: AST constructor recursion depth mismatch" (CPython gh-106905) in a recipe test.
-_PARSE_LOCK = threading.Lock()
+    def expr() -> int:
+        value = term()
+        while peek() in ("+", "-"):
+            op = take()
+            value = capped(value + term() if op == "+" else value - term())
+        return value
+
+    value = expr()
+    if pos != len(tokens):  # "1 2", "1)", or a trailing operator's leftovers
+        raise ValueError(f"calculator: cannot parse {expression!r}")
+    return value
+
 
 # ---------------------------------------------------------------- scoring
 _ANSWER = re.compile(r"answer\s*:", re.IGNORECASE)

@@ -171,3 +171,31 @@ def test_chat_prompts_render_with_the_tiny_models_template():
         assert ("- calculator(expression): " in text) == (name == "calculator")  # the tool's compact signature
         # Short text prompts: a handful of tokens, so a tiny model learns them on a CPU.
         assert len(tok(task.make("train", 1, seed=0)[0].prompt)["input_ids"]) <= 20
+
+
+def test_calculate_equals_python_on_random_expressions_without_the_ast_module(monkeypatch):
+    """Its own parser: the same values as Python's arithmetic (precedence, unary signs, parentheses), and
+    no `ast.parse`, whose builder two threads at once break on CPython 3.11 (gh-106905)."""
+    import ast
+    import random
+
+    def forbidden(*a, **k):
+        raise AssertionError("calculate called ast.parse")
+
+    def gen(rng: random.Random, depth: int) -> str:
+        if depth == 0 or rng.random() < 0.3:
+            return rng.choice(["", "-", "+", "- -"]) + str(rng.randrange(1000))
+        inner = f"{gen(rng, depth - 1)} {rng.choice('+-*')} {gen(rng, depth - 1)}"
+        return f"({inner})" if rng.random() < 0.5 else inner
+
+    want = {}
+    rng = random.Random(0)
+    for _ in range(300):
+        e = gen(rng, 3)
+        if len(e) <= 200:
+            want[e] = eval(e)  # noqa: S307 - digits, signs, operators and parentheses only
+    monkeypatch.setattr(ast, "parse", forbidden)
+    for e, v in want.items():
+        if abs(v) <= 10**12:
+            assert calculate(e) == v, e
+    assert len(want) > 200
