@@ -13,8 +13,11 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -58,7 +61,7 @@ def thread_env(threads: int | None, extra: dict[str, str] | None = None) -> dict
 
 
 def _die_with_parent() -> None:
-    """Linux: the child gets SIGKILL when the process that started it dies, so a killed
+    """Linux: the child gets SIGKILL when the thread that started it ends (see `spawn`), so a killed
     driver or actor never leaves an engine behind holding its port and memory."""
     try:
         import ctypes
@@ -66,6 +69,29 @@ def _die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):
         pass
+
+
+_spawner: ThreadPoolExecutor | None = None
+_spawner_lock = threading.Lock()
+
+
+def spawn(argv: list[str], **popen: Any) -> subprocess.Popen:
+    """`subprocess.Popen(argv, **popen)` whose child dies with this process, and only then.
+
+    PR_SET_PDEATHSIG fires when the *thread* that forked the child ends, not the process:
+    a server started from `asyncio.to_thread` (or any short-lived worker thread) was killed
+    the moment that thread's executor shut down, while this process still held its URL.
+    So a child started off the main thread is forked by one long-lived spawner thread,
+    which lives as long as the process does.
+    """
+    popen["preexec_fn"] = _die_with_parent
+    if threading.current_thread() is threading.main_thread():
+        return subprocess.Popen(argv, **popen)
+    global _spawner
+    with _spawner_lock:
+        if _spawner is None:
+            _spawner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="furlong-spawner")
+    return _spawner.submit(subprocess.Popen, argv, **popen).result()
 
 
 class ProcessFailed(RuntimeError):
@@ -106,13 +132,12 @@ class ManagedProcess:
     def start(self, timeout_s: float = 120.0) -> ManagedProcess:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log = open(self.log_path, "ab")
-        self.proc = subprocess.Popen(
+        self.proc = spawn(
             self.argv,
             stdout=log,
             stderr=subprocess.STDOUT,
             env=thread_env(self.threads, self.env),
             start_new_session=True,
-            preexec_fn=_die_with_parent,
         )
         log.close()
         self.wait_healthy(timeout_s)

@@ -118,7 +118,7 @@ class Servers:
 
     def __init__(self, opts: Options, sessions_root: str):
         from furlong.core.net import free_port
-        from furlong.core.processes import ManagedProcess, _die_with_parent
+        from furlong.core.processes import ManagedProcess, spawn
 
         self.workdir = Path(tempfile.mkdtemp(prefix="furlong-nemo-gym-"))
         port = free_port()
@@ -134,14 +134,13 @@ class Servers:
             "NeMo Gym servers", argv, f"http://127.0.0.1:{port}", self.workdir / "servers.log"
         )
         with open(self.process.log_path, "ab") as log:  # ManagedProcess's start, with the venv's environment
-            self.process.proc = subprocess.Popen(
+            self.process.proc = spawn(
                 argv,
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 cwd=self.workdir,
                 env=driver_env(SPEC),
                 start_new_session=True,
-                preexec_fn=_die_with_parent,
             )
         self.process.wait_healthy(opts.startup_timeout_s)
         self.servers = httpx.get(f"{self.process.url}/health", timeout=10).json()["servers"]
