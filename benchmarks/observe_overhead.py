@@ -69,8 +69,8 @@ def run_once(run_dir: Path, store: bool, a: argparse.Namespace) -> tuple[list[fl
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
     if len(rows) != a.steps:
         raise SystemExit(f"{run_dir}: {len(rows)} metrics lines for {a.steps} steps")
-    stamps = [r["time"] for r in rows]
-    return [b - t for t, b in zip(stamps, stamps[1:])][a.warmup - 1 :], rows[a.warmup :]
+    stamps = [r["time/started_unix"] for r in rows]  # the rows' own `time` is when they were written (later)
+    return [b - t for t, b in zip(stamps, stamps[1:])][a.warmup :], rows[a.warmup :]  # step k: start k+1 - start k
 
 
 def main() -> None:

@@ -117,7 +117,10 @@ def steady_state(rows: list[dict[str, Any]], warmup: int) -> dict[str, float]:
     if len(rows) <= warmup or warmup < 1:
         raise ValueError(f"need at least {warmup + 1} logged steps with warmup >= 1, got {len(rows)}")
     timed = rows[warmup:]
-    window = timed[-1]["time"] - rows[warmup - 1]["time"]
+    # From the first timed step's start to the last one's end, by the driver's clock. Not the rows'
+    # `time`: a row is written when its step's spans are in (in the background, during the next
+    # step), so that lag differs between modes and once made fully async look 23% faster.
+    window = timed[-1]["time/started_unix"] + timed[-1]["time/step_s"] - timed[0]["time/started_unix"]
     samples = sum(r["rollout/samples"] for r in timed)
 
     def mean(key: str) -> float:

@@ -230,7 +230,7 @@ class Run:
         step, train = self.step, self.cfg.train
         n = step + 1  # the step's number in the event store and metrics.jsonl: 1..total
         span = self.log.store.span
-        t0 = time.perf_counter()
+        t0, started = time.perf_counter(), time.time()
         with span("driver", "generate", n):
             batch = await self.manager.next_batch(step)
         scored = {}
@@ -259,6 +259,8 @@ class Run:
                 "time/rollout_wait_s": t_gen - t0,
                 "time/train_s": t_train - t_gen,
                 "time/step_s": time.perf_counter() - t0,
+                # wall clock at the step's start: the row itself is written later, in the background
+                "time/started_unix": started,
                 "perf/samples_per_s": len(batch) / (time.perf_counter() - t0),
             }
         )

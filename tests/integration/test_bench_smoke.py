@@ -43,14 +43,16 @@ def test_steady_state_window_starts_after_warmup() -> None:
     rows = [
         {
             "step": i + 1,
-            "time": t,
+            "time": t + lag,  # written late, in the background: the window must not depend on it
+            "time/started_unix": t - 4.0,
+            "time/step_s": 4.0,
             "rollout/samples": 64.0,
             "time/rollout_wait_s": 1.0,
             "time/train_s": 2.0,
             "weight_sync/seconds": 0.5,
             "rollout/response_len_mean": 64.0,
         }
-        for i, t in enumerate([100.0, 110.0, 114.0, 118.0])
+        for i, (t, lag) in enumerate([(100.0, 0.0), (110.0, 3.0), (114.0, 0.5), (118.0, 0.0)])
     ]
     r = steady_state(rows, warmup=2)  # steps 3 and 4 are timed: 128 samples from t=110 to t=118
     assert r["samples_per_s"] == 128 / 8 and r["step_s"] == 4.0 and r["other_s"] == 0.5
