@@ -35,6 +35,24 @@ def fill_rows(m: NativeModel, li: int, dec: DecodeRows, p: DecodePlan, decode_bl
         rows[p.fill_r, :, :Lf] = pool.index_select(0, flat).view(n, -1, m.n_kv, m.head_dim)[:, :Lf].transpose(1, 2)
 
 
+def row_slots(dec: DecodeRows, rows: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
+    """[D * kv] indices into a row storage viewed flat as [R * kv * cap, hd]: each decoding token's
+    column `last` in its row `rows`, one index per kv head. Computed once per step, shared by all layers."""
+    kv, cap = dec.n_kv, dec.cap
+    heads = torch.arange(kv, device=rows.device)
+    return ((rows[:, None] * kv + heads[None, :]) * cap + last[:, None]).reshape(-1)
+
+
+def write_rows(dec: DecodeRows, li: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """Layer `li`'s new k and v ([D, kv, hd]) into their rows at `slots` (`row_slots`).
+
+    Why flat: the advanced-index assignment `rows_k[rows, :, last] = k` took ~120 us a call on
+    CPU (two index tensors into a 4-d tensor), one `index_copy_` over whole hd-vectors a few."""
+    hd = dec.head_dim
+    dec.k[li].view(-1, hd).index_copy_(0, slots, k.reshape(-1, hd))
+    dec.v[li].view(-1, hd).index_copy_(0, slots, v.reshape(-1, hd))
+
+
 def rows_attention(m: NativeModel, q: torch.Tensor, kd: torch.Tensor, vd: torch.Tensor, mask: torch.Tensor):
     """GQA attention of R queries (row order, [R, H, hd]) over rows [R, kv, L, hd]; returns [R, H, hd].
 
@@ -46,16 +64,15 @@ def rows_attention(m: NativeModel, q: torch.Tensor, kd: torch.Tensor, vd: torch.
     return torch.matmul(scores.softmax(-1), vd).view(R, m.n_heads, hd)
 
 
-def decode_attention(m: NativeModel, li: int, q, k, v, b: Batch, dec: DecodeRows, mask) -> torch.Tensor:
-    """Decode attention of the D decoding tokens over their persistent rows (batch order in and out)."""
+def decode_attention(m: NativeModel, li: int, q, k, v, b: Batch, dec: DecodeRows, mask, slots) -> torch.Tensor:
+    """Decode attention of the D decoding tokens over their persistent rows (batch order in and out);
+    `slots`: `row_slots` of this step's decode plan."""
     p = b.decode_plan
     D, L = b.n_decode, p.L
     kd, vd = dec.k[li], dec.v[li]
     if p.fill_len:  # after this step's pool write: the gathered rows include the new token
         fill_rows(m, li, dec, p, b.decode_blocks)
-    last = b.decode_lens - 1
-    kd[p.rows, :, last] = k[:D]
-    vd[p.rows, :, last] = v[:D]
+    write_rows(dec, li, slots, k[:D], v[:D])
     qd = q[:D] if p.inv is None else q[:D].index_select(0, p.inv)  # attention runs in row order
     o = rows_attention(m, qd, kd[:D, :, :L], vd[:D, :, :L], mask)
     return o if p.inv is None else o.index_select(0, p.rows)

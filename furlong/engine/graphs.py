@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from furlong.engine.attention import decode_mask, fill_rows, rows_attention
+from furlong.engine.attention import decode_mask, fill_rows, row_slots, rows_attention, write_rows
 from furlong.engine.device import batch_to
 
 if TYPE_CHECKING:
@@ -68,12 +68,12 @@ def static_decode_step(m: NativeModel, dec: DecodeRows, meta: torch.Tensor) -> t
     B = ids.shape[0]
     x, cos, sin = m._embed(ids, pos)
     mask = decode_mask(row_lens, dec.cap, x.dtype)
+    at = row_slots(dec, rows, last)
     for li in range(len(m.layers)):
         q, k, v = m._qkv(li, x, cos, sin)
         m.write_kv(li, slots, k, v)
+        write_rows(dec, li, at, k, v)
         kd, vd = dec.k[li], dec.v[li]
-        kd[rows, :, last] = k
-        vd[rows, :, last] = v
         o = rows_attention(m, q.index_select(0, inv), kd[:B], vd[:B], mask).index_select(0, rows)
         x = m._mlp(li, x + m.proj(f"{li}.o", o.reshape(B, -1)), None)
     return m._head(x)

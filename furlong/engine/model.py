@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from furlong.engine.adapters import Adapters
-from furlong.engine.attention import decode_attention, decode_mask, prefill_attention
+from furlong.engine.attention import decode_attention, decode_mask, prefill_attention, row_slots
 from furlong.engine.decode_rows import DecodeRows
 from furlong.engine.moe import moe, pick_experts
 from furlong.engine.quantized import QuantizedWeights, QuantProj
@@ -344,13 +344,14 @@ class NativeModel:
             if b.decode_plan is None:
                 raise ValueError("NativeModel.forward: a batch with decode tokens needs NativeModel.prepare(batch)")
             mask = decode_mask(b.decode_plan.row_lens, b.decode_plan.L, x.dtype)
+            slots = row_slots(dec, b.decode_plan.rows, b.decode_lens - 1)
         routes: list | None = [] if b.want_routes else None
         for li in range(len(self.layers)):
             q, k, v = self._qkv(li, x, cos, sin)
             self.write_kv(li, b.write_slots, k, v)
             out = torch.empty_like(q)
             if D:
-                out[:D] = decode_attention(self, li, q, k, v, b, dec, mask)
+                out[:D] = decode_attention(self, li, q, k, v, b, dec, mask, slots)
             if b.prefills:
                 prefill_attention(self, li, q, k, v, b, out)
             x = self._mlp(li, x + self.proj(f"{li}.o", out.reshape(T, -1)), routes)
