@@ -119,7 +119,7 @@ def steady_state(rows: list[dict[str, Any]], warmup: int) -> dict[str, float]:
     timed = rows[warmup:]
     # From the first timed step's start to the last one's end, by the driver's clock. Not the rows'
     # `time`: a row is written when its step's spans are in (in the background, during the next
-    # step), so that lag differs between modes and once made fully async look 23% faster.
+    # step), so that lag differs between modes and once made fully async look 16% faster.
     window = timed[-1]["time/started_unix"] + timed[-1]["time/step_s"] - timed[0]["time/started_unix"]
     samples = sum(r["rollout/samples"] for r in timed)
 
