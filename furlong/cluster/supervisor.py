@@ -32,10 +32,9 @@ trainer's push succeeds, the sync advances the run's `WeightVersion` (under the
 lock, so a re-sync never stamps new weights with the old version). A lock keeps a
 sync and a re-sync from interleaving.
 
-The router is watched the same way (`ProcessActor.alive()` and its `/health`): when
-it exits or stops answering it is restarted (same command: same port, same engines),
-and the engines that are not serving at that moment are removed from the new router
-again. Router calls of a replacement in progress wait for it to come back.
+The router is watched the same way: when it exits or stops answering it is restarted
+(same command: same port, same engines), and the engines not serving at that moment are
+removed from the new router again. Router calls during its replacement wait for it.
 
 No livelock: while no engine is serving (every one being replaced, pending, or given
 up) or the router is down, prompts would fail and be drawn again forever. So the
@@ -45,8 +44,7 @@ naming what died and its log file under RUN_DIR/logs, and `guard()` ends the wor
 wraps (the driver's run) with that error; the driver adds the last checkpoint and the
 `--resume` command (`furlong.driver.restarts`).
 
-A dead trainer is not this module's: `TrainerDied` passes through to the driver's
-restart policy (`furlong.driver.restarts`).
+A dead trainer is not this module's: `TrainerDied` goes to `furlong.driver.restarts`.
 """
 
 from __future__ import annotations
@@ -75,6 +73,7 @@ OK, RESTARTING, PENDING, FAILED = "ok", "restarting", "pending", "failed"
 MAX_RESTART_ATTEMPTS = 3  # per fault: a restart that keeps failing leaves the engine out
 SYNC_ATTEMPTS = 3  # a weight sync is retried while engines keep dying under it
 CONTROL_TIMEOUT_S = 60.0  # pause / continue of one engine
+EXIT_GRACE_S = 3.0  # a refused /health: how long to watch for the process exit before calling it unresponsive
 
 
 class EnginesLost(RuntimeError):
@@ -318,9 +317,12 @@ class EngineSupervisor:
             r = await self._http.get(s.url + "/health")
         except httpx.TimeoutException:
             return False, f"/health timed out after {self.timeout:g}s"
-        except httpx.HTTPError as e:  # refused or reset: often a process in the middle of dying
-            exited = not await self._alive(s)
-            return exited, "the process exited" if exited else f"/health failed: {type(e).__name__}: {e}"
+        except httpx.HTTPError as e:  # refused or reset: most often a process in the middle of dying, which its
+            # owner sees exit a moment later (later still under load: a SIGKILLed engine was once "unresponsive")
+            deadline = time.monotonic() + EXIT_GRACE_S
+            while (alive := await self._alive(s)) and time.monotonic() < deadline:
+                await asyncio.sleep(0.1)
+            return not alive, f"/health failed: {type(e).__name__}: {e}" if alive else "the process exited"
         # The router's /health is 503 while no engine is healthy: it answered, so it is serving (restarting
         # it would not bring an engine back; the engines' own replacement does).
         answering = (200, 503) if s is self.router else (200,)

@@ -241,3 +241,40 @@ def test_a_router_that_cannot_restart_stops_the_run(tmp_path):
     finally:
         for p in [*engines, router]:
             p.stop()
+
+
+@pytest.mark.timeout(60)
+def test_a_refused_health_check_waits_for_the_owner_to_see_the_exit(tmp_path):
+    """A SIGKILLed engine closes its port before its owner reaps it (later still on a loaded machine):
+    its fault is "exited" once the owner sees it; a live process that refuses connections is "unresponsive"."""
+    import time
+
+    dying, refusing = FakeProcess(), FakeProcess()
+    router = FakeProcess([])
+
+    def reaped_late(p: FakeProcess, after_s: float | None) -> None:
+        p.server.stop()  # the port is closed at once ...
+        p.server = None
+        t0 = time.monotonic()  # ... the owner says alive for a while (forever: None)
+        # (a restart serves again: alive from then on)
+        p.alive = Remote(lambda: p.server is not None or after_s is None or time.monotonic() - t0 < after_s)
+
+    async def main():
+        sup = supervisor(tmp_path, [dying, refusing], router, timeout_s=3600)
+        sup.start()
+        try:
+            reaped_late(dying, 1.0)
+            reaped_late(refusing, None)
+            await until(lambda: {f["engine"] for f in sup.faults} == {0, 1}, "a fault of each")
+            first = {}
+            for f in sup.faults:
+                first.setdefault(f["engine"], f["kind"])
+            assert first == {0: "exited", 1: "unresponsive"}, sup.faults
+        finally:
+            await sup.stop()
+
+    try:
+        asyncio.run(main())
+    finally:
+        for p in [dying, refusing, router]:
+            p.stop()
