@@ -160,7 +160,10 @@ def run_furlong(work: Work, mode: str, run_dir: Path | None = None, extra: tuple
     cfg = load_config(None, [*furlong_overrides(work, mode, run_dir), *extra])
     asyncio.run(Run(cfg, progress=False).run())
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    return steady_state(rows, work.warmup)
+    # Groups generated again because their weights fell out of `max_staleness` (whole run, warm-up included):
+    # wasted token work the samples/s figure hides, so it is reported beside it.
+    stats = json.loads((run_dir / "result.json").read_text())["rollout_stats"]
+    return {**steady_state(rows, work.warmup), "stale_regenerations": stats["regenerated"].get("stale", 0)}
 
 
 def median_run(fn: Callable[[], dict[str, float]], runs: int) -> dict[str, float]:
@@ -181,4 +184,5 @@ def breakdown(name: str, r: dict[str, float]) -> str:
     return (
         f"  {name:<15} step {r['step_s']:6.2f} s = rollout wait {r['rollout_wait_s']:6.2f} + train {r['train_s']:6.2f}"
         f" + weight sync {r['weight_sync_s']:5.2f} + other {r['other_s']:5.2f}"
+        f"; stale groups regenerated {r.get('stale_regenerations', 0):g}"
     )

@@ -4,7 +4,7 @@ The full demo (recipes/demo.yaml: 150 SFT steps, 30 fully async GRPO steps, targ
 +0.20 accuracy in under 10 minutes on 2 cores) is measured by hand, not here. This
 run keeps every stage (SFT warm-up on flawed demonstrations, async GRPO through the
 router, engine and trainer, greedy eval on held-out strings before and after) with
-fewer steps (measured here: about 2.5 minutes, accuracy 0.20 -> 0.89) and a smaller
+fewer steps (measured: 1-2 minutes; at load 10, four runs at once, 0.20 -> 0.89-0.91) and a smaller
 eval set, and asserts what the demo exists to show: the training reward rises and RL
 improves held-out accuracy over the SFT baseline.
 """
@@ -24,7 +24,7 @@ from tests.helpers import token_holders
 
 ROOT = Path(__file__).resolve().parents[2]
 RESULT = re.compile(r"RESULT baseline_accuracy=(\d+\.\d+) final_accuracy=(\d+\.\d+) steps=(\d+) minutes=(\d+\.\d+)")
-STEPS = 12
+STEPS = 16  # 12 left too little room: one loaded run that peaked at step 10 and dipped after it ended below baseline
 
 
 @pytest.mark.slow
