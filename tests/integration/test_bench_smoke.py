@@ -80,4 +80,7 @@ def test_vs_trl_smoke() -> None:
         assert any(line.startswith(name) and line.endswith("x") for line in lines), (name, lines)
     # The async target counts wasted work too: each furlong mode's line says how many stale groups it regenerated.
     for name in ("furlong sync", "furlong async"):
-        assert any(re.match(rf"\s+{name}\s+step .*; stale groups regenerated \d+$", line) for line in lines), (name, lines)
+        assert any(re.match(rf"\s+{name}\s+step .*; stale groups regenerated \d+$", line) for line in lines), (
+            name,
+            lines,
+        )
