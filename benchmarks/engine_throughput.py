@@ -2,7 +2,8 @@
 
 Same model (the locally built ~25M-parameter qwen3 `m25`), same 32 prompts,
 64 new tokens each (eos ignored so every system produces exactly 32 × 64
-tokens), greedy, fp32, in one run. Every figure is the median of 3 runs
+tokens), greedy, fp32 (or `--dtype bfloat16`: both systems in bf16, the peak measured in bf16,
+2-byte weights streamed), in one run. Every figure is the median of 3 runs
 (64 decode steps each). The machine line (`_machine.header`: CPU, flags, this
 run's GEMM peak and memcpy bandwidth) comes first, and the roofline is
 min(compute, bandwidth) counting every processed token — prompt and generated
@@ -13,7 +14,7 @@ x 8 samples (GRPO groups: one prefill per group; greedy, so same token work). `-
 torch.profiler top-10 of one engine run. Last line:
 `RATIO engine_vs_hf=<x> engine_of_roofline=<y>`.
 
-    python benchmarks/engine_throughput.py [--threads 2] [--prompts 32] [--new-tokens 64] [--profile]
+    python benchmarks/engine_throughput.py [--threads 2] [--prompts 32] [--new-tokens 64] [--dtype bfloat16] [--profile]
 """
 
 from __future__ import annotations
@@ -42,10 +43,10 @@ def make_prompts(tok, n: int) -> list[list[int]]:
     ]
 
 
-def bench_hf(path, prompts, new_tokens) -> float:
+def bench_hf(path, prompts, new_tokens, dtype: str = "float32") -> float:
     from transformers import AutoModelForCausalLM
 
-    hf = AutoModelForCausalLM.from_pretrained(path).eval()
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).eval()
     L = max(map(len, prompts))
     ids = torch.tensor([[0] * (L - len(p)) + p for p in prompts])
     att = torch.tensor([[0] * (L - len(p)) + [1] * len(p) for p in prompts])
@@ -63,7 +64,9 @@ def bench_hf(path, prompts, new_tokens) -> float:
         return _machine.median_of(run)[0]
 
 
-def bench_engine(path, prompts, new_tokens, mixed: bool = False, profile: bool = False, groups: int = 0) -> float:
+def bench_engine(
+    path, prompts, new_tokens, mixed: bool = False, profile: bool = False, groups: int = 0, dtype: str = "float32"
+) -> float:
     """Median of 3 runs; `mixed`: request i asks for a different length (finishes at its own step);
     `groups`: the prompts are `groups` prompts repeated (GRPO groups, one prefill per group)."""
     from furlong.engine.engine import Engine
@@ -72,7 +75,7 @@ def bench_engine(path, prompts, new_tokens, mixed: bool = False, profile: bool =
 
     if groups:
         prompts = [prompts[i // (len(prompts) // groups)] for i in range(len(prompts))]
-    eng = Engine(path, max_running=len(prompts), kv_cache_mb=256).start()
+    eng = Engine(path, dtype=dtype, max_running=len(prompts), kv_cache_mb=256).start()
     sp = lambda n: SamplingParams(max_new_tokens=n, temperature=0, ignore_eos=True)
     lens = [
         max(4, new_tokens // 4 + (i * 37) % (new_tokens - new_tokens // 4 + 1)) if mixed else new_tokens
@@ -90,7 +93,7 @@ def bench_engine(path, prompts, new_tokens, mixed: bool = False, profile: bool =
     try:
         eng.generate([Request(p, sp(4)) for p in prompts[:2]], timeout=120)  # warm-up
         if profile:  # on this thread: the profiler records the thread that starts it, not the scheduler's
-            inline = Engine(path, max_running=len(prompts), kv_cache_mb=256)
+            inline = Engine(path, dtype=dtype, max_running=len(prompts), kv_cache_mb=256)
             step_inline(inline, [Request(p, sp(4)) for p in prompts[:2]])  # warm-up
             reqs = [Request(p, sp(n)) for p, n in zip(prompts, lens)]
             _machine.profile_top10(lambda: step_inline(inline, reqs), "engine scheduler steps, one run")
@@ -130,7 +133,7 @@ def wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 120) -> None
     raise RuntimeError(f"{url}: not healthy after {timeout} s")
 
 
-def bench_http_router(path, prompts, new_tokens, threads: int) -> float:
+def bench_http_router(path, prompts, new_tokens, threads: int, dtype: str = "float32") -> float:
     """Engine and router as real processes; 32 concurrent clients post /generate to the router."""
     import httpx
 
@@ -151,6 +154,8 @@ def bench_http_router(path, prompts, new_tokens, threads: int) -> float:
                 str(len(prompts)),
                 "--threads",
                 str(threads),
+                "--dtype",
+                dtype,
             ],
             env=env,
         )
@@ -207,6 +212,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompts", type=int, default=32)
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--size", default="m25")
+    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="both systems' dtype")
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--skip-http", action="store_true")
     ap.add_argument("--profile", action="store_true", default=_machine.profiling(), help="torch.profiler top-10")
@@ -214,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     from furlong.models import create_model, load_tokenizer
 
-    info = _machine.header()
+    info = _machine.header(getattr(torch, args.dtype))  # the GEMM peak in the dtype the systems compute in
     path = create_model("qwen3", args.size)
     from transformers import AutoConfig
 
@@ -230,26 +236,28 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"model qwen3-{args.size}: {n_params / 1e6:.1f}M params; "
         f"{args.prompts} prompts × {args.new_tokens} new tokens; "
-        f"{args.threads} threads; prompt lengths {min(map(len, prompts))}-{max(map(len, prompts))}; median of 3 runs",
+        f"{args.threads} threads, {args.dtype}; prompt lengths {min(map(len, prompts))}-{max(map(len, prompts))}; median of 3 runs",
         flush=True,
     )
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    kv_bytes = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * 4
+    elem = torch.empty(0, dtype=getattr(torch, args.dtype)).element_size()
+    kv_bytes = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * elem
     roofline = _machine.decode_roofline_tok_s(
-        n_params, 4 * n_params, mean_prompt, args.new_tokens, args.prompts, kv_bytes, info
+        n_params, elem * n_params, mean_prompt, args.new_tokens, args.prompts, kv_bytes, info
     )
     rows: list[tuple[str, float | None, str]] = []
     rows.append(
         (
             "HF generate (batch 32, padded)",
-            None if args.skip_hf else bench_hf(path, prompts, args.new_tokens),
+            None if args.skip_hf else bench_hf(path, prompts, args.new_tokens, args.dtype),
             "skipped (--skip-hf)",
         )
     )
     print("  measured HF generate", flush=True)
-    rows.append(("furlong engine, in-process", bench_engine(path, prompts, args.new_tokens, profile=args.profile), ""))
-    rows.append(("furlong engine, mixed lengths", bench_engine(path, prompts, args.new_tokens, mixed=True), ""))
-    rows.append(("furlong engine, 4 prompts x 8 (groups)", bench_engine(path, prompts, args.new_tokens, groups=4), ""))
+    engine = lambda **kw: bench_engine(path, prompts, args.new_tokens, dtype=args.dtype, **kw)
+    rows.append(("furlong engine, in-process", engine(profile=args.profile), ""))
+    rows.append(("furlong engine, mixed lengths", engine(mixed=True), ""))
+    rows.append(("furlong engine, 4 prompts x 8 (groups)", engine(groups=4), ""))
     print("  measured engine in-process", flush=True)
     if args.skip_http:
         rows.append(("furlong engine, HTTP via router, 32 clients", None, "skipped (--skip-http)"))
@@ -261,7 +269,7 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(
             (
                 "furlong engine, HTTP via router, 32 clients",
-                bench_http_router(path, prompts, args.new_tokens, args.threads),
+                bench_http_router(path, prompts, args.new_tokens, args.threads, args.dtype),
                 "",
             )
         )

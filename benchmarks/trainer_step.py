@@ -9,7 +9,8 @@ What is timed: `Trainer.train_rollout` (old-logprob pass if any, advantages, for
 of every micro-batch, clip, AdamW) for `--steps` steps after one untimed warm-up step; the
 median step is reported. One row per `--budgets` value (`train.micro_batch_tokens`). The
 roofline counts every processed token (prompt + response), forward and backward
-(3 x the forward's 2·params FLOPs per token, `furlong.train.mfu`), against this run's GEMM peak.
+(3 x the forward's 2·params FLOPs per token, `furlong.train.mfu`), against this run's GEMM peak
+(in bf16 with `--set mixed_precision=bf16`: the matmuls' dtype).
 
 The same script runs against an older tree (`PYTHONPATH=<old tree>`) to measure a change.
 
@@ -83,11 +84,12 @@ def main(argv: list[str] | None = None) -> int:
     import furlong
 
     torch.set_num_threads(args.threads)
-    info = _machine.header()
     extra = {}
     for item in args.set:
         k, _, v = item.partition("=")
         extra[k] = {"true": True, "false": False}.get(v, v)
+    # The peak in the dtype the matmuls run in: bf16 under mixed precision (on AMX, about 4x the fp32 peak).
+    info = _machine.header(torch.bfloat16 if extra.get("mixed_precision") == "bf16" else torch.float32)
     print(
         f"furlong from {os.path.dirname(furlong.__file__)}; {args.samples} samples x {args.new_tokens} tokens; {extra}"
     )

@@ -221,7 +221,6 @@ def check(cfg: ConfigView) -> list[Problem]:
     """Every cross-field contradiction of a resolved config, all at once, in a stable order."""
     out: list[Problem] = []
     parts = (_check_rollout, _check_algo, _check_train, _check_not_built, _check_hardware, _check_data, _check_sglang)
-    parts += (_check_mixed_precision,)
     for part in parts:
         part(cfg, lambda fields, msg: out.append((fields, msg)))
     return out
@@ -392,16 +391,6 @@ def _check_sglang(cfg: ConfigView, bad: Bad) -> None:
     if (q := cfg.engine.quantization) != "none":  # codes + scales at sync: the built-in engine's store only
         why = f"engine.quantization={q} is built for the built-in engine, not yet for SGLang; set it to none"
         bad(("engine.backend", "engine.quantization"), f"engine.backend=sglang: {why}")
-
-
-def _check_mixed_precision(cfg: ConfigView, bad: Bad) -> None:
-    """FSDP2's mixed-precision policy exists only where FSDP2 shards (world_size > 1)."""
-    if cfg.train.mixed_precision != "none" and cfg.train.world_size == 1:
-        bad(
-            ("train.mixed_precision", "train.world_size"),
-            f"train.mixed_precision={cfg.train.mixed_precision} is FSDP2's policy, applied when train.world_size > 1 "
-            "(world_size=1 trains a plain module); set train.world_size >= 2, or train.dtype=bfloat16 for bf16 weights",
-        )
 
 
 def _check_hardware(cfg: ConfigView, bad: Bad) -> None:

@@ -244,7 +244,8 @@ class TrainConfig(Section):
     convert_fn: PluginPath = None  # plug point: samples to train batch
     before_train_step: PluginPath = None  # plug point: hook before each optimiser step
     after_save: PluginPath = None  # plug point: hook after each checkpoint
-    # FSDP2 mixed precision (world_size > 1): bf16 compute and all-gathers, fp32 master weights and reduce-scatter
+    # bf16 compute, fp32 master weights: FSDP2's policy when world_size > 1 (bf16 all-gathers, fp32 reduce-scatter);
+    # autocast on one rank (bf16 matmuls, fp32 norms and log-softmax). See docs/cluster.md
     mixed_precision: Literal["none", "bf16"] = "none"
 
 
