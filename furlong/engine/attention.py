@@ -56,12 +56,14 @@ def write_rows(dec: DecodeRows, li: int, slots: torch.Tensor, k: torch.Tensor, v
 def rows_attention(m: NativeModel, q: torch.Tensor, kd: torch.Tensor, vd: torch.Tensor, mask: torch.Tensor):
     """GQA attention of R queries (row order, [R, H, hd]) over rows [R, kv, L, hd]; returns [R, H, hd].
 
-    The g query heads of a kv head are the rows of one small matmul; plain matmuls read the strided
-    row views in place, where SDPA would first copy them contiguous."""
+    The g query heads of a kv head are passed to SDPA as g query *positions* of that head, so the
+    kv rows are read once per kv head, never repeated, and the strided row views go in as they are.
+    Why SDPA rather than matmul + softmax + matmul (what this was): on CPU its fused kernel took
+    159 us a layer against 397 us in bf16 (whose batched matmuls copied the strided rows first) and
+    156 against 182 us in fp32 (R=32, 4 kv heads x 2, hd 64, L 90; 2 threads, Intel Xeon)."""
     R, hd = q.shape[0], m.head_dim
     qd = q.view(R, m.n_kv, m.n_heads // m.n_kv, hd)
-    scores = torch.matmul(qd, kd.transpose(-1, -2)).mul_(m.scale).add_(mask)
-    return torch.matmul(scores.softmax(-1), vd).view(R, m.n_heads, hd)
+    return F.scaled_dot_product_attention(qd, kd, vd, attn_mask=mask, scale=m.scale).reshape(R, m.n_heads, hd)
 
 
 def decode_attention(m: NativeModel, li: int, q, k, v, b: Batch, dec: DecodeRows, mask, slots) -> torch.Tensor:
