@@ -27,7 +27,12 @@ TRL runs twice, with plain `generate` ("TRL GRPOTrainer") and with its transform
 continuous-batching generation ("TRL GRPOTrainer CB"); each ratio is against the faster of
 the two. The machine line (`_machine.header`) is printed first.
 
-    python benchmarks/vs_trl.py [--steps 5] [--runs 3] [--warmup 2] [--threads 2] [--smoke]
+`--bf16`: every system in bf16 where it computes — TRL `bf16=True` (autocast), furlong
+`train.mixed_precision=bf16` (autocast on its one rank), `engine.dtype=bfloat16` and
+`train.micro_batch_tokens=4096` (fewer, fuller micro-batches pay once matmuls are cheap); the
+machine line's GEMM peak is then measured in bf16.
+
+    python benchmarks/vs_trl.py [--steps 5] [--runs 3] [--warmup 2] [--threads 2] [--bf16] [--smoke]
 
 Last line: `RATIO furlong_sync_vs_trl=<x> furlong_async_vs_trl=<y>`.
 """
@@ -45,8 +50,10 @@ from typing import Any
 import _machine
 from rl_bench import Work, breakdown, median_run, run_furlong, shutdown_ray
 
+BF16 = ("train.mixed_precision=bf16", "engine.dtype=bfloat16", "train.micro_batch_tokens=4096")  # furlong, --bf16
 
-def run_trl(work: Work, continuous: bool = False) -> dict[str, float]:
+
+def run_trl(work: Work, continuous: bool = False, bf16: bool = False) -> dict[str, float]:
     """TRL 1.16 `GRPOTrainer` on `work`, CPU fp32: transformers `generate` (no vLLM), or with `continuous`
     its transformers continuous-batching generation (`use_transformers_continuous_batching`)."""
     import torch
@@ -83,7 +90,7 @@ def run_trl(work: Work, continuous: bool = False) -> dict[str, float]:
         args = GRPOConfig(
             output_dir=out,
             use_cpu=True,
-            bf16=False,
+            bf16=bf16,
             use_vllm=False,
             activation_checkpointing=False,
             save_strategy="no",
@@ -132,6 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", type=int, default=2, help="untimed furlong steps first (TRL: always 1)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--lr", type=float, default=1e-5)
+    ap.add_argument("--bf16", action="store_true", help="every system computes in bf16 (see the docstring)")
     ap.add_argument(
         "--smoke", action="store_true", help="tiny model, 2x2 samples of 8 tokens, 1 timed step: proves the script runs"
     )
@@ -152,9 +160,11 @@ def main(argv: list[str] | None = None) -> int:
             lr=args.lr,
             n_train=16,
         )
-    _machine.header()
+    import torch
+
+    _machine.header(torch.bfloat16 if args.bf16 else torch.float32)
     print(
-        f"work: qwen3-{work.size}, {work.prompts} prompts x {work.group} samples x {work.new_tokens} tokens per step, "
+        f"work: qwen3-{work.size}, {'bf16' if args.bf16 else 'fp32'}, {work.prompts} prompts x {work.group} samples x {work.new_tokens} tokens per step, "
         f"lr {work.lr}, {work.warmup} (TRL: 1) warm-up + {work.steps} timed steps, {work.threads} threads; "
         f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores",
         flush=True,
@@ -163,7 +173,8 @@ def main(argv: list[str] | None = None) -> int:
     res: dict[str, dict[str, float]] = {}
     try:
         for mode, name in (("sync", "furlong sync"), ("async", "furlong async")):
-            res[name] = median_run(lambda mode=mode: run_furlong(work, mode), runs)
+            extra = BF16 if args.bf16 else ()
+            res[name] = median_run(lambda mode=mode, extra=extra: run_furlong(work, mode, extra=extra), runs)
             print(f"  measured {name}: {res[name]['samples_per_s']:.2f} samples/s", flush=True)
     finally:
         shutdown_ray()
@@ -172,7 +183,8 @@ def main(argv: list[str] | None = None) -> int:
     failed: dict[str, str] = {}
     for name, continuous in (("TRL GRPOTrainer", False), ("TRL GRPOTrainer CB", True)):
         try:
-            res[name] = median_run(lambda c=continuous: run_trl(replace(work, warmup=1), continuous=c), runs)
+            trl = lambda c=continuous: run_trl(replace(work, warmup=1), continuous=c, bf16=args.bf16)
+            res[name] = median_run(trl, runs)
             print(f"  measured {name}: {res[name]['samples_per_s']:.2f} samples/s", flush=True)
         except Exception as e:  # an option this TRL / transformers build cannot run on CPU: say so, keep going
             failed[name] = f"{type(e).__name__}: {str(e).splitlines()[0][:80] if str(e) else ''}"
