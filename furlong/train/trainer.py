@@ -29,7 +29,6 @@ import math
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator
-from contextlib import nullcontext
 from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
@@ -89,10 +88,7 @@ class Trainer:
         self.temperature = float(temperature)
         self.losses = losses if losses is not None else importlib.import_module("furlong.train.losses")
         self.device = dist.init(rank, world_size, train_cfg.backend)
-        self.dtype = DTYPES[train_cfg.dtype]
-        # train.mixed_precision: FSDP2's policy where it shards (`_place`), autocast on one rank (`_compute`).
-        self.mixed_precision = train_cfg.mixed_precision
-        self.autocast = self.mixed_precision == "bf16" and world_size == 1
+        self.dtype, self.mixed_precision = DTYPES[train_cfg.dtype], train_cfg.mixed_precision  # see dist.distribute
         self.compute_dtype = torch.bfloat16 if self.mixed_precision == "bf16" else self.dtype  # MFU's peak
         # Every user function reports its failures naming its config key (`train.loss_fn`, ...).
         self.hooks = (hooks or TrainerHooks()).named()
@@ -145,8 +141,7 @@ class Trainer:
         model.to(self.device)
         if frozen:
             model.requires_grad_(False).eval()
-        if self.world_size > 1:
-            dist.shard(model, self.device, self.mixed_precision)
+        dist.distribute(model, self.device, self.world_size, self.mixed_precision)  # FSDP2, or one-rank autocast
         if self.compile_clock.on:
             compiled.compile_layers(model)  # after sharding: FSDP2 units are the layers themselves
         return model
@@ -155,27 +150,11 @@ class Trainer:
         return [m for m in (self.policy, self.critic) if m is not None]
 
     # ------------------------------------------------------------------ forward
-    def _compute(self):
-        """The context a forward runs in: bf16 autocast under `train.mixed_precision=bf16` on one rank, else none.
-
-        Why autocast on one rank: FSDP2's policy (bf16 parameters everywhere) needs sharded modules, and
-        a one-rank trainer is the common laptop and single-GPU case. Autocast runs the matmuls in bf16 and
-        keeps reductions, norms, the log-softmax (`_logprobs` takes the logits to fp32 first), the master
-        weights, gradients and AdamW state in fp32, so small updates are not lost. Matmuls are where the
-        time goes: on a CPU with AMX (bf16 tile instructions) oneDNN's bf16 linears ran 4-7x faster than
-        its fp32 ones at the trainer's shapes (docs/benchmarks.md#bf16-on-cpu); on GPUs bf16 is the usual setting.
-        """
-        return torch.autocast(self.device.type, dtype=torch.bfloat16) if self.autocast else nullcontext()
-
     def _logprobs(self, model: nn.Module, packed: Packed, entropy=False, temperature: float | None = None):
         """Per-token log-probs (and entropy; its gradient only if entropy="grad") `[B, T]`, fp32, at temperature T."""
-        with self._compute():
-            logits = routing_replay.replayed(model, packed.routes)(  # R3: the rollout's MoE routes, if recorded
-                input_ids=packed.input_ids,
-                position_ids=packed.position_ids,
-                use_cache=False,
-                logits_to_keep=packed.keep,
-            ).logits
+        logits = routing_replay.replayed(model, packed.routes)(  # R3: the rollout's MoE routes, if recorded
+            input_ids=packed.input_ids, position_ids=packed.position_ids, use_cache=False, logits_to_keep=packed.keep
+        ).logits
         logp = torch.log_softmax(packed.kept(logits).float() / (temperature or self.temperature), dim=-1)
         lp = packed.scatter(logp.gather(-1, packed.targets[:, None]).squeeze(-1))
         with torch.set_grad_enabled(torch.is_grad_enabled() and entropy == "grad"):  # metric only: no [N, V] graph
@@ -183,9 +162,7 @@ class Trainer:
         return lp, ent
 
     def _values(self, packed: Packed) -> Tensor:
-        with self._compute():
-            values = self.critic(packed.input_ids, packed.position_ids, packed.flat_index)
-        return packed.scatter(values.float())
+        return packed.scatter(self.critic(packed.input_ids, packed.position_ids, packed.flat_index).float())
 
     def _ref_logprobs(self, packed: Packed) -> Tensor:
         if self.ref is not None:
