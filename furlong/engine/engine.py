@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from furlong.core import profiling, spans
+from furlong.core import omp, profiling, spans
 from furlong.core.api import PAUSE_MODES
 from furlong.data.chat import stop_token_ids
 from furlong.engine import graphs
@@ -150,7 +150,10 @@ class Engine:
         return self.pool.num_blocks * self.pool.block_size
 
     def start(self) -> Engine:
+        """Run the scheduler on its own thread. The calling thread built the model: its OpenMP pool is freed
+        here, else libgomp throttles the scheduler's (`core/omp.py`: 1.7x slower decode in bf16)."""
         profiling.on_sigterm(self.stop)  # under `furlong profile`: the scheduler thread writes its trace first
+        omp.release()
         self._thread = threading.Thread(target=self._loop, name="furlong-scheduler", daemon=True)
         self._thread.start()
         return self

@@ -25,7 +25,7 @@ from fastapi import Request as HTTPRequest
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 from furlong.core import api as P
-from furlong.core import spans
+from furlong.core import omp, spans
 from furlong.core.api import CONTROL_PATHS
 from furlong.core.app_thread import AppThread
 from furlong.engine import validate as V
@@ -317,7 +317,7 @@ def add_weight_routes(app: FastAPI, engine: Engine) -> None:
         from furlong.engine.weight_update import load_disk
 
         body = P.parse(P.UpdateFromDiskIn, await body_of(request))
-        named = await asyncio.to_thread(load_disk, engine.hf, body.model_path)
+        named = await asyncio.to_thread(omp.released, load_disk, engine.hf, body.model_path)
         return await apply(named, body.weight_version)
 
     @app.post(P.WEIGHT_CHECKSUMS)
@@ -396,7 +396,9 @@ def add_group_routes(app: FastAPI, engine: Engine, apply: Callable[[dict, Any], 
         if group is None:
             raise P.BadRequest("group_name", f"no group {body.group_name!r}; call /init_weights_update_group first")
         device = next(engine.hf.parameters()).device
-        named = await asyncio.to_thread(receive_distributed, group, body.names, body.dtypes, body.shapes, device=device)
+        named = await asyncio.to_thread(
+            omp.released, receive_distributed, group, body.names, body.dtypes, body.shapes, device=device
+        )
         return await apply(named, body.weight_version)
 
 
@@ -426,7 +428,9 @@ def add_lora_routes(app: FastAPI, engine: Engine) -> None:
         body = P.parse(P.LoadLoraIn, await body_of(request))
         check_adapter(engine)
         try:
-            adapter = await asyncio.to_thread(engine.model.adapters.load_dir, body.lora_name, body.lora_path)
+            adapter = await asyncio.to_thread(
+                omp.released, engine.model.adapters.load_dir, body.lora_name, body.lora_path
+            )
             await asyncio.wrap_future(engine.call(lambda: engine.model.adapters.install(adapter)))
         except WeightUpdateError as e:
             raise as_bad_request(e) from None
