@@ -10,11 +10,14 @@ min(compute, bandwidth) counting every processed token — prompt and generated
 (2 x params FLOP each) — and the weights + KV each decode step must stream.
 A "mixed lengths" row gives each request a different `max_new_tokens`, so
 requests finish at different steps, as in real traffic; a "groups" row sends 4 prompts
-x 8 samples (GRPO groups: one prefill per group; greedy, so same token work). `--profile` prints a
+x 8 samples (GRPO groups: one prefill per group; greedy, so same token work). `--compile` runs the
+engine's decode step compiled (`engine.compile`); its compile time is printed apart, outside every
+timed run (the warm-up compiles). `--profile` prints a
 torch.profiler top-10 of one engine run. Last line:
 `RATIO engine_vs_hf=<x> engine_of_roofline=<y>`.
 
-    python benchmarks/engine_throughput.py [--threads 2] [--prompts 32] [--new-tokens 64] [--dtype bfloat16] [--profile]
+    python benchmarks/engine_throughput.py [--threads 2] [--prompts 32] [--new-tokens 64] [--dtype bfloat16] [--compile]
+        [--profile]
 """
 
 from __future__ import annotations
@@ -64,8 +67,18 @@ def bench_hf(path, prompts, new_tokens, dtype: str = "float32") -> float:
         return _machine.median_of(run)[0]
 
 
+COMPILE_S: list[float] = []  # seconds each `--compile` engine spent compiling (in its warm-up)
+
+
 def bench_engine(
-    path, prompts, new_tokens, mixed: bool = False, profile: bool = False, groups: int = 0, dtype: str = "float32"
+    path,
+    prompts,
+    new_tokens,
+    mixed: bool = False,
+    profile: bool = False,
+    groups: int = 0,
+    dtype: str = "float32",
+    compile_decode: bool = False,
 ) -> float:
     """Median of 3 runs; `mixed`: request i asks for a different length (finishes at its own step);
     `groups`: the prompts are `groups` prompts repeated (GRPO groups, one prefill per group)."""
@@ -75,7 +88,7 @@ def bench_engine(
 
     if groups:
         prompts = [prompts[i // (len(prompts) // groups)] for i in range(len(prompts))]
-    eng = Engine(path, dtype=dtype, max_running=len(prompts), kv_cache_mb=256).start()
+    eng = Engine(path, dtype=dtype, max_running=len(prompts), kv_cache_mb=256, compile_decode=compile_decode).start()
     sp = lambda n: SamplingParams(max_new_tokens=n, temperature=0, ignore_eos=True)
     lens = [
         max(4, new_tokens // 4 + (i * 37) % (new_tokens - new_tokens // 4 + 1)) if mixed else new_tokens
@@ -91,9 +104,12 @@ def bench_engine(
         return sum(lens) / dt
 
     try:
-        eng.generate([Request(p, sp(4)) for p in prompts[:2]], timeout=120)  # warm-up
+        # warm-up, ragged so the batch passes through several buckets (a compiled step compiles here)
+        eng.generate([Request(p, sp(4 + i % 8)) for i, p in enumerate(prompts)], timeout=600)
+        if eng.graphs is not None and eng.graphs.compiled is not None:
+            COMPILE_S.append(eng.graphs.compiled.compile_s)
         if profile:  # on this thread: the profiler records the thread that starts it, not the scheduler's
-            inline = Engine(path, dtype=dtype, max_running=len(prompts), kv_cache_mb=256)
+            inline = Engine(path, dtype=dtype, max_running=len(prompts), kv_cache_mb=256, compile_decode=compile_decode)
             step_inline(inline, [Request(p, sp(4)) for p in prompts[:2]])  # warm-up
             reqs = [Request(p, sp(n)) for p, n in zip(prompts, lens)]
             _machine.profile_top10(lambda: step_inline(inline, reqs), "engine scheduler steps, one run")
@@ -133,7 +149,9 @@ def wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 120) -> None
     raise RuntimeError(f"{url}: not healthy after {timeout} s")
 
 
-def bench_http_router(path, prompts, new_tokens, threads: int, dtype: str = "float32") -> float:
+def bench_http_router(
+    path, prompts, new_tokens, threads: int, dtype: str = "float32", compile_decode: bool = False
+) -> float:
     """Engine and router as real processes; 32 concurrent clients post /generate to the router."""
     import httpx
 
@@ -156,6 +174,7 @@ def bench_http_router(path, prompts, new_tokens, threads: int, dtype: str = "flo
                 str(threads),
                 "--dtype",
                 dtype,
+                *(["--compile"] if compile_decode else []),
             ],
             env=env,
         )
@@ -187,7 +206,11 @@ def bench_http_router(path, prompts, new_tokens, threads: int, dtype: str = "flo
             "sampling_params": {"max_new_tokens": n, "temperature": 0, "ignore_eos": True},
         }
         with httpx.Client(timeout=600, limits=httpx.Limits(max_connections=64)) as c:
-            assert c.post(url + "/generate", json=body(prompts[0], 4)).status_code == 200  # warm-up
+            with ThreadPoolExecutor(len(prompts)) as pool:  # warm-up, ragged (a compiled step compiles here)
+                warm = pool.map(
+                    lambda ip: c.post(url + "/generate", json=body(ip[1], 4 + ip[0] % 8)), enumerate(prompts)
+                )
+                assert all(r.status_code == 200 for r in warm)
             c.post(url + "/flush_cache")
 
             def run() -> float:
@@ -213,6 +236,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--size", default="m25")
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="both systems' dtype")
+    ap.add_argument("--compile", action="store_true", help="the engine's decode step compiled (engine.compile)")
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--skip-http", action="store_true")
     ap.add_argument("--profile", action="store_true", default=_machine.profiling(), help="torch.profiler top-10")
@@ -254,7 +278,9 @@ def main(argv: list[str] | None = None) -> int:
         )
     )
     print("  measured HF generate", flush=True)
-    engine = lambda **kw: bench_engine(path, prompts, args.new_tokens, dtype=args.dtype, **kw)
+    engine = lambda **kw: bench_engine(
+        path, prompts, args.new_tokens, dtype=args.dtype, compile_decode=args.compile, **kw
+    )
     rows.append(("furlong engine, in-process", engine(profile=args.profile), ""))
     rows.append(("furlong engine, mixed lengths", engine(mixed=True), ""))
     rows.append(("furlong engine, 4 prompts x 8 (groups)", engine(groups=4), ""))
@@ -269,7 +295,7 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(
             (
                 "furlong engine, HTTP via router, 32 clients",
-                bench_http_router(path, prompts, args.new_tokens, args.threads, args.dtype),
+                bench_http_router(path, prompts, args.new_tokens, args.threads, args.dtype, args.compile),
                 "",
             )
         )
@@ -288,6 +314,8 @@ def main(argv: list[str] | None = None) -> int:
         vs = f"{tps / hf:.2f}x" if hf else "-"
         print(f"{name:<46}{tps:>10,.0f}{tps / roofline:>12.0%}{vs:>9}")
     print(f"{'roofline min(compute, bandwidth)':<46}{roofline:>10,.0f}{1:>12.0%}")
+    if COMPILE_S:
+        print(f"\nengine.compile: {' + '.join(f'{s:.0f}' for s in COMPILE_S)} s compiling, once per engine, untimed")
     print("\n" + _machine.load_line(args.threads, "these figures understate every system"))
     eng = rows[1][1]
     print(f"RATIO engine_vs_hf={eng / hf if hf else float('nan'):.2f} engine_of_roofline={eng / roofline:.2f}")

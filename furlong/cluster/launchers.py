@@ -59,6 +59,7 @@ def engine_command(
         device=engine.device,
         quantization=engine.quantization,
         cuda_graphs=engine.cuda_graphs,
+        compile_decode=engine.compile,
         niceness=niceness,
     )
 
@@ -77,6 +78,7 @@ def colocated_engine_kwargs(engine: EngineConfig) -> dict[str, Any]:
         max_context=engine.max_context,
         prefix_cache=engine.prefix_cache,
         cuda_graphs=engine.cuda_graphs,
+        compile_decode=engine.compile,
         **({"quantization": engine.quantization} if engine.quantization != "none" else {}),
         **({"device": engine.device} if engine.device != "auto" else {}),  # auto: the Engine's own default
     )

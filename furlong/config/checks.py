@@ -425,6 +425,14 @@ def _check_hardware(cfg: ConfigView, bad: Bad) -> None:
             f"engine.cuda_graphs=true replays the built-in engine's decode as CUDA graphs, but {why}: set "
             "engine.cuda_graphs=false, or run the built-in engine with engine.device=cuda[:N] on a GPU machine",
         )
+    if eng.compile and (eng.backend == "sglang" or eng.cuda_graphs):  # one way to run the built-in decode step
+        other = "engine.backend" if eng.backend == "sglang" else "engine.cuda_graphs"
+        bad(
+            ("engine.compile", other),
+            f"engine.compile=true compiles the built-in engine's decode step, but {other} "
+            f"{'is sglang, which has its own' if other == 'engine.backend' else 'already replays it as CUDA graphs'}: "
+            "set one of them",
+        )
     if gpu_users and not cuda_available():
         bad(
             tuple(f for f, _ in gpu_users),

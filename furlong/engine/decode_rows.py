@@ -72,10 +72,13 @@ class DecodeRows:
         # uninitialised memory may hold NaN.
         shape = (R, self.n_kv, cap, self.head_dim)
         old_k, old_v, r0, c0 = self.k, self.v, self.rows, self.cap
-        self.k = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.n_layers)]
-        self.v = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.n_layers)]
-        for new, old in zip(self.k + self.v, old_k + old_v):
-            new[:r0, :, :c0] = old
+        # Always inference tensors, whether the host plan (`NativeModel.prepare`) or a forward grows them:
+        # `torch.compile` guards on the kind, and a mix would recompile the decode step (`compiled_step`).
+        with torch.inference_mode():
+            self.k = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.n_layers)]
+            self.v = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.n_layers)]
+            for new, old in zip(self.k + self.v, old_k + old_v):
+                new[:r0, :, :c0] = old
         self.lens += [0] * (R - r0)
         self.generation = next(_STORAGES)
 

@@ -77,12 +77,14 @@ class Engine:
         device: str = "auto",
         quantization: str = "none",
         cuda_graphs: bool = False,
+        compile_decode: bool = False,
     ):
         """`max_context` caps prompt + output tokens per request (None: the model's max positions; it can
         only shrink the window the model was trained for). `prefix_cache=False` computes every prompt in full.
         `device`: `engine.device` (auto | cpu | cuda[:N], see `engine.device`); weights and KV pool live there.
         `quantization`: `engine.quantization` (none | fp8 | mxfp8 | nvfp4 | int4, `engine/quantized.py`).
-        `cuda_graphs`: `engine.cuda_graphs`, replay decode steps as CUDA graphs (`engine/graphs.py`; CUDA only)."""
+        `cuda_graphs`: `engine.cuda_graphs`, replay decode steps as CUDA graphs (`engine/graphs.py`; CUDA only).
+        `compile_decode`: `engine.compile`, run decode steps compiled by `torch.compile` (`engine/compiled_step.py`)."""
         from transformers import AutoModelForCausalLM
 
         if dtype not in ("float32", "bfloat16", "float16"):
@@ -120,7 +122,7 @@ class Engine:
         # The generation config's EOS ids plus the chat template's end of turn (a config may list only EOS).
         self.eos_ids = set(stop_token_ids(self.tokenizer, eos))
         self.max_running = max_running
-        self.graphs = graphs.for_engine(self, cuda_graphs)  # None unless engine.cuda_graphs
+        self.graphs = graphs.for_engine(self, cuda_graphs, compile_decode)  # None unless either is on
         self.max_prefill_tokens = max_prefill_tokens
         self.weight_version = 0
         self.waiting: deque[Request] = deque()

@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from furlong.engine.attention import decode_mask, fill_rows, row_slots, rows_attention, write_rows
+from furlong.engine.compiled_step import CompiledStep
 from furlong.engine.device import batch_to
 
 if TYPE_CHECKING:
@@ -59,22 +60,24 @@ def require_cuda(enabled: bool, device: torch.device) -> None:
         )
 
 
-def static_decode_step(m: NativeModel, dec: DecodeRows, meta: torch.Tensor) -> torch.Tensor:
+def static_decode_step(m: NativeModel, dec: DecodeRows, meta: torch.Tensor, L: int | None = None) -> torch.Tensor:
     """Logits [B, V] of B padded decode tokens; fixed shapes, no host value read: what a graph records.
 
     `meta` rows: token ids, positions, pool write slots, decode row of each token, token of each
-    row, context length of each row (row order), write column of each token."""
+    row, context length of each row (row order), write column of each token. Attention reads the
+    first `L` columns of the rows (None: their whole capacity, what a CUDA graph must read)."""
     ids, pos, slots, rows, inv, row_lens, last = meta.unbind(0)
     B = ids.shape[0]
+    L = dec.cap if L is None else L
     x, cos, sin = m._embed(ids, pos)
-    mask = decode_mask(row_lens, dec.cap, x.dtype)
+    mask = decode_mask(row_lens, L, x.dtype)
     at = row_slots(dec, rows, last)
     for li in range(len(m.layers)):
         q, k, v = m._qkv(li, x, cos, sin)
         m.write_kv(li, slots, k, v)
         write_rows(dec, li, at, k, v)
         kd, vd = dec.k[li], dec.v[li]
-        o = rows_attention(m, q.index_select(0, inv), kd[:B], vd[:B], mask).index_select(0, rows)
+        o = rows_attention(m, q.index_select(0, inv), kd[:B, :, :L], vd[:B, :, :L], mask).index_select(0, rows)
         x = m._mlp(li, x + m.proj(f"{li}.o", o.reshape(B, -1)), None)
     return m._head(x)
 
@@ -82,10 +85,15 @@ def static_decode_step(m: NativeModel, dec: DecodeRows, meta: torch.Tensor) -> t
 class DecodeGraphs:
     """Replays (or, `capture=False`, runs eagerly) the static decode step of each bucket."""
 
-    def __init__(self, model: NativeModel, scratch_slot: int, max_running: int, capture: bool = True):
+    def __init__(
+        self, model: NativeModel, scratch_slot: int, max_running: int, capture: bool = True, compiled: bool = False
+    ):
+        """`capture`: record and replay CUDA graphs; `compiled` (and no capture): run the step compiled by
+        `torch.compile` (`engine.compile`, `compiled_step.py`); neither: run it eagerly (tests)."""
         self.m, self.scratch, self.capture = model, scratch_slot, capture
+        self.compiled = CompiledStep(model) if compiled and not capture else None
         self.device = model.k_pool[0].device
-        self.buckets = buckets(max_running)
+        self.buckets = buckets(max(max_running, 2 if compiled else 1))
         self.meta: dict[int, torch.Tensor] = {}  # bucket -> static [7, B] index buffer
         self.graphs: dict[int, tuple[Any, torch.Tensor]] = {}  # bucket -> (graph, its static logits)
         self.key: tuple = ()  # (rows' storage generation, weights' addresses) the graphs were captured for
@@ -94,7 +102,9 @@ class DecodeGraphs:
         model.keep_decode_rows = capture  # idle engine: keep the rows the graphs read (`NativeModel.release`)
 
     def bucket(self, D: int) -> int | None:
-        return next((B for B in self.buckets if B >= D), None)
+        """The padded batch size of D decode tokens. Compiled: at least 2, since a dynamic-shape graph
+        specialises size 1 and would compile a second time for it."""
+        return next((B for B in self.buckets if B >= D and (B > 1 or self.compiled is None)), None)
 
     def fits(self, b: Batch) -> bool:
         """A decode-only step the static step computes exactly as the eager forward would."""
@@ -172,7 +182,9 @@ class DecodeGraphs:
                 blocks = b.decode_blocks.to(self.device, non_blocking=True)
                 for li in range(len(m.layers)):
                     fill_rows(m, li, dec, on, blocks)
-            if not self.capture:
+            if self.compiled is not None:
+                logits = self.compiled(m, dec, self.meta[B], p.L)
+            elif not self.capture:
                 logits = static_decode_step(m, dec, self.meta[B])
             else:
                 if B not in self.graphs:
@@ -186,16 +198,22 @@ class DecodeGraphs:
         return out, None
 
 
-def for_engine(engine: Any, enabled: bool) -> DecodeGraphs | None:
-    """The engine's graph runner when `engine.cuda_graphs` is on (the device was checked by `require_cuda`)."""
-    if not enabled:
+def for_engine(engine: Any, cuda_graphs: bool, compile_decode: bool = False) -> DecodeGraphs | None:
+    """The engine's decode-step runner: CUDA graphs (`engine.cuda_graphs`, the device checked by
+    `require_cuda`), the compiled step (`engine.compile`), or None (the eager forward)."""
+    if not (cuda_graphs or compile_decode):
         return None
     from furlong.engine.model import NativeModel
 
+    setting = "engine.cuda_graphs=true (--cuda-graphs) captures" if cuda_graphs else "engine.compile=true compiles"
+    if cuda_graphs and compile_decode:
+        raise ValueError("engine.compile and engine.cuda_graphs: both run the decode step their own way; set one")
     if not isinstance(engine.model, NativeModel):
         raise ValueError(
-            "engine.cuda_graphs=true (--cuda-graphs) captures the native forward, but this model runs on the HF "
-            f"fallback ({engine.backend}): use a native architecture, or engine.cuda_graphs=false"
+            f"{setting} the native forward, but this model runs on the HF fallback ({engine.backend}): use a "
+            f"native architecture, or set {setting.split('=')[0]}=false"
         )
     scratch = engine.pool.alloc()  # one block no request is ever given: where padded rows write their KV
-    return DecodeGraphs(engine.model, scratch * engine.pool.block_size, engine.max_running)
+    return DecodeGraphs(
+        engine.model, scratch * engine.pool.block_size, engine.max_running, capture=cuda_graphs, compiled=compile_decode
+    )

@@ -45,6 +45,7 @@ def engine_argv(
     device: str = "auto",
     quantization: str = "none",
     cuda_graphs: bool = False,
+    compile_decode: bool = False,
     niceness: int = 0,
 ) -> Command:
     """The argv (and environment: the admin token) that starts one engine server of `backend`.
@@ -83,6 +84,8 @@ def engine_argv(
             argv += ["--quantization", quantization]
         if cuda_graphs:
             argv.append("--cuda-graphs")
+        if compile_decode:
+            argv.append("--compile")
         if niceness:
             argv += ["--niceness", str(niceness)]
         return Command(argv, token_env(admin_token))

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
+from furlong.engine import compiled_step
 from furlong.engine.adapters import Adapters
 from furlong.engine.attention import decode_attention, decode_mask, prefill_attention, row_slots
 from furlong.engine.decode_rows import DecodeRows
@@ -208,6 +209,8 @@ class NativeModel:
         Why one method: it is the single place where what a linear computes can change — a weight
         stored in a low-precision format, or a per-request adapter added to the output — without
         touching the attention and MLP code around it."""
+        if torch.compiler.is_compiling():  # engine.compile: an opaque op that runs this method when the graph runs
+            return compiled_step.proj(self, key, x)
         w = self.w[key]  # a QuantProj under engine.quantization: codes + scales, dequantised per block
         y = self.linear(x, w, self.bias[key]) if isinstance(w, torch.Tensor) else w(x, self.bias[key])
         return self.adapters.add(key, x, y) if self.adapters.plan else y
@@ -310,6 +313,8 @@ class NativeModel:
         h = self._norm(x, layer.post_attention_layernorm.weight)
         mlp = layer.mlp
         if self.is_moe and hasattr(mlp, "gate") and hasattr(mlp, "experts"):
+            if torch.compiler.is_compiling():  # engine.compile: routed experts as an opaque op (no routes recorded)
+                return x + compiled_step.experts(self, li, h)
             y, top_i = moe(mlp, h, self.experts_kind)
             if routes is not None:
                 routes.append(top_i)

@@ -49,7 +49,13 @@ def test_engine_settings_reach_the_engine_command_and_the_colocated_engine():
     default = engine_command(EngineConfig(), model_dir="/m", port=1, admin_token="t", threads=1)
     assert "--max-context" not in default and "--no-prefix-cache" not in default
     assert colocated_engine_kwargs(e) == dict(
-        dtype="bfloat16", kv_cache_mb=32, max_running=8, max_context=256, prefix_cache=False, cuda_graphs=False
+        dtype="bfloat16",
+        kv_cache_mb=32,
+        max_running=8,
+        max_context=256,
+        prefix_cache=False,
+        cuda_graphs=False,
+        compile_decode=False,
     )
     assert colocated_engine_kwargs(EngineConfig(quantization="fp8"))["quantization"] == "fp8"
     with pytest.raises(ValueError, match="engine.backend=sglang cannot be colocated"):

@@ -16,7 +16,7 @@ import torch
 
 from furlong.config.schema import Config, ConfigError
 from furlong.engine.engine import Engine
-from furlong.engine.graphs import DecodeGraphs, buckets
+from furlong.engine.graphs import DecodeGraphs, buckets, for_engine
 from furlong.engine.launch import engine_argv
 from furlong.engine.request import Request
 from furlong.engine.sampler import SamplingParams
@@ -110,3 +110,46 @@ def test_cuda_graphs_reach_the_engine_command_line(tiny_model_dir):
     if not torch.cuda.is_available():
         with pytest.raises(ConfigError, match="engine.cuda_graphs"):
             Config.from_dict({"engine": {"cuda_graphs": True, "backend": "sglang", "device": "cuda"}})
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3_moe"])
+def test_compiled_decode_step_follows_the_dynamic_forward_and_compiles_once(arch):
+    """`engine.compile`: the same lockstep with the static step compiled by `torch.compile` (dynamic shapes,
+    attention up to each step's longest context). Inductor's fused loops reorder fp32 reductions, so
+    log-probs agree to 1e-4, not bit for bit; greedy tokens agree. One shape class compiles at most twice
+    (the first dynamic graph may assume two sizes equal), never again for a new bucket, a longer context
+    or a weight update (the projections read the weights when the step runs: `furlong::proj`)."""
+    from furlong.models import create_model
+
+    path = create_model(arch, "tiny")
+    eager = Engine(path, kv_cache_mb=2, max_running=8, block_size=4, device="cpu")
+    compiled = Engine(path, kv_cache_mb=2, max_running=8, block_size=4, device="cpu", compile_decode=True)
+    runner = compiled.graphs
+    assert runner.compiled is not None and runner.buckets == [1, 2, 4, 8] and runner.bucket(1) == 2
+    update = {n: p.detach() * 1.01 for n, p in eager.hf.named_parameters() if "layers.0." in n}
+    at_update = []
+    reqs = lockstep(
+        {"eager": eager, "compiled": compiled}, update, on_update=lambda: at_update.append(runner.compiled.compiles)
+    )
+    gap = 0.0
+    for a, b in zip(reqs["eager"], reqs["compiled"]):
+        assert a.output_ids == b.output_ids and len(a.output_ids) == a.params.max_new_tokens
+        gap = max(gap, max(abs(x - y) for x, y in zip(a.output_logprobs, b.output_logprobs)))
+    assert gap <= 1e-4, gap
+    print(f"{arch}: largest log-prob gap compiled vs dynamic {gap:.3g}; {runner.compiled.compiles} compiles")
+    assert {2, 4, 8} <= {B for B, n in runner.replays.items() if n}, runner.replays
+    assert 1 <= runner.compiled.compiles <= 2 and runner.compiled.compiles == at_update[0]
+    assert runner.compiled.calls == sum(runner.replays.values()) and runner.compiled.compile_s > 0
+
+
+def test_compile_settings_are_checked_and_reach_the_command_line(tiny_model_dir):
+    with pytest.raises(ConfigError) as e:
+        Config.from_dict({"engine": {"compile": True, "backend": "sglang"}})
+    assert {"engine.compile", "engine.backend"} <= set(e.value.fields)
+    with pytest.raises(ValueError, match="engine.compile and engine.cuda_graphs"):
+        for_engine(object(), cuda_graphs=True, compile_decode=True)  # refused before the engine is looked at
+    common = dict(model_dir=tiny_model_dir, host="127.0.0.1", port=1, dtype="bfloat16", kv_cache_mb=8, max_running=4)
+    common.update(max_context=None, prefix_cache=True, threads=1, admin_token="t")
+    assert "--compile" in engine_argv("builtin", **common, compile_decode=True)
+    assert "--compile" not in engine_argv("builtin", **common)

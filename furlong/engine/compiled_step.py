@@ -1,0 +1,121 @@
+"""`engine.compile`: the decode step compiled by `torch.compile` (Inductor), for CPUs.
+
+Why: a decode step of a small model on a CPU is a few dense projections and ~200 small
+elementwise ops (RMSNorm, RoPE, SiLU x up, residual adds, KV writes, the attention mask), each a
+dispatch, an allocation and a pass over memory. Inductor fuses the ops between two projections
+into one generated C++ loop. It compiles the *static* decode step the CUDA graphs record
+(`graphs.static_decode_step`: the batch padded to a power-of-two bucket, its indices in one
+[7, B] tensor), with dynamic shapes, so one graph serves every bucket and every context length
+(the attention reads the rows up to this step's longest context, not their whole capacity).
+
+Weights are not baked into the graph, nor even graph inputs: every projection is the opaque op
+`furlong::proj`, which calls `NativeModel.proj` when the step runs and so reads whatever the
+model holds then (oneDNN-packed, quantised, fresh from a weight sync). A weight update therefore
+stays a copy (and a re-pack) and never recompiles anything.
+
+The first decode step of each new shape class compiles (tens of seconds on 2 cores; reported as
+`compile_s` in the engine's stats). Only decode-only steps that `DecodeGraphs.fits` run here;
+prefill and mixed steps run the eager forward.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+import weakref
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from furlong.engine.model import NativeModel
+
+log = logging.getLogger("furlong.engine.compiled_step")
+_MODELS: weakref.WeakValueDictionary[str, NativeModel] = weakref.WeakValueDictionary()
+_IDS = itertools.count(1)
+
+
+def register(m: NativeModel) -> str:
+    """Give `m` the name its projections are called by from a compiled graph (a string: under dynamic
+    shapes Dynamo would make an int argument symbolic)."""
+    if getattr(m, "compile_id", None) is None:
+        m.compile_id = f"m{next(_IDS)}"
+        _MODELS[m.compile_id] = m
+    return m.compile_id
+
+
+def out_features(m: NativeModel, key: str) -> int:
+    src = m.sources.get(key)
+    return src[0].shape[0] if src is not None else m.w[key].layer.out_features  # a QuantProj's QuantLinear
+
+
+@torch.library.custom_op("furlong::proj", mutates_args=())
+def proj_op(x: torch.Tensor, model: str, key: str) -> torch.Tensor:
+    """`NativeModel.proj(key, x)` of the model registered as `model`, run eagerly when the graph runs."""
+    return _MODELS[model].proj(key, x)
+
+
+@proj_op.register_fake
+def _proj_shape(x: torch.Tensor, model: str, key: str) -> torch.Tensor:
+    return x.new_empty(*x.shape[:-1], out_features(_MODELS[model], key))
+
+
+def proj(m: NativeModel, key: str, x: torch.Tensor) -> torch.Tensor:
+    """What `NativeModel.proj` is while Dynamo traces: the opaque op, by the model's name."""
+    return proj_op(x, m.compile_id, key)
+
+
+@torch.library.custom_op("furlong::experts", mutates_args=())
+def experts_op(h: torch.Tensor, model: str, layer: int) -> torch.Tensor:
+    """Layer `layer`'s routed experts of the registered model (`engine.moe.moe`), run eagerly: their
+    data-dependent grouping (tokens per expert) is what a traced graph cannot hold."""
+    from furlong.engine.moe import moe
+
+    m = _MODELS[model]
+    return moe(m.layers[layer].mlp, h, m.experts_kind)[0]
+
+
+@experts_op.register_fake
+def _experts_shape(h: torch.Tensor, model: str, layer: int) -> torch.Tensor:
+    return torch.empty_like(h)
+
+
+def experts(m: NativeModel, li: int, h: torch.Tensor) -> torch.Tensor:
+    """What a MoE block's routed experts are while Dynamo traces: the opaque op."""
+    return experts_op(h, m.compile_id, li)
+
+
+class CompiledStep:
+    """`graphs.static_decode_step` compiled once (dynamic shapes) for one model; times its compiles."""
+
+    def __init__(self, m: NativeModel):
+        from furlong.engine.graphs import static_decode_step
+
+        register(m)
+        self.fn = torch.compile(static_decode_step, dynamic=True, fullgraph=True)
+        self.compile_s = 0.0  # seconds spent in calls that compiled
+        self.compiles = 0  # calls that compiled (a new shape class, or the first call)
+        self.calls = 0
+
+    def __call__(self, m: NativeModel, dec, meta: torch.Tensor, L: int) -> torch.Tensor:
+        from torch._dynamo.utils import compilation_time_metrics
+
+        before = _compiled_seconds(compilation_time_metrics)
+        t0 = time.perf_counter()
+        out = self.fn(m, dec, meta, L)
+        if _compiled_seconds(compilation_time_metrics) != before:  # this call compiled: count its whole time
+            self.compile_s += time.perf_counter() - t0
+            self.compiles += 1
+            log.info(
+                "decode step compiled in %.1f s (%d so far, %.1f s in all)",
+                time.perf_counter() - t0,
+                self.compiles,
+                self.compile_s,
+            )
+        self.calls += 1
+        return out
+
+
+def _compiled_seconds(metrics: dict) -> float:
+    return sum(sum(v) for v in metrics.values())
