@@ -32,7 +32,10 @@ the two. The machine line (`_machine.header`) is printed first.
 `train.micro_batch_tokens=4096` (fewer, fuller micro-batches pay once matmuls are cheap); the
 machine line's GEMM peak is then measured in bf16.
 
-    python benchmarks/vs_trl.py [--steps 5] [--runs 3] [--warmup 2] [--threads 2] [--bf16] [--smoke]
+`--set KEY=VALUE` adds a furlong setting to both furlong runs (`engine.compile=true`: its
+compile falls in the warm-up steps).
+
+    python benchmarks/vs_trl.py [--steps 5] [--runs 3] [--warmup 2] [--threads 2] [--bf16] [--set K=V] [--smoke]
 
 Last line: `RATIO furlong_sync_vs_trl=<x> furlong_async_vs_trl=<y>`.
 """
@@ -141,6 +144,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--lr", type=float, default=1e-5)
     ap.add_argument("--bf16", action="store_true", help="every system computes in bf16 (see the docstring)")
     ap.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a furlong setting for both furlong runs, e.g. engine.compile=true (repeatable)",
+    )
+    ap.add_argument(
         "--smoke", action="store_true", help="tiny model, 2x2 samples of 8 tokens, 1 timed step: proves the script runs"
     )
     args = ap.parse_args(argv)
@@ -173,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     res: dict[str, dict[str, float]] = {}
     try:
         for mode, name in (("sync", "furlong sync"), ("async", "furlong async")):
-            extra = BF16 if args.bf16 else ()
+            extra = (*(BF16 if args.bf16 else ()), *args.set)
             res[name] = median_run(lambda mode=mode, extra=extra: run_furlong(work, mode, extra=extra), runs)
             print(f"  measured {name}: {res[name]['samples_per_s']:.2f} samples/s", flush=True)
     finally:
