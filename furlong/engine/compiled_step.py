@@ -93,7 +93,7 @@ class CompiledStep:
         from furlong.engine.graphs import static_decode_step
 
         register(m)
-        self.fn = torch.compile(static_decode_step, dynamic=True, fullgraph=True)
+        self.fn = torch.compile(static_decode_step, fullgraph=True)
         self.compile_s = 0.0  # seconds spent in calls that compiled
         self.compiles = 0  # calls that compiled (a new shape class, or the first call)
         self.calls = 0
@@ -101,9 +101,18 @@ class CompiledStep:
     def __call__(self, m: NativeModel, dec, meta: torch.Tensor, L: int) -> torch.Tensor:
         from torch._dynamo.utils import compilation_time_metrics
 
+        cols = torch.empty(L, dtype=torch.int8, device=meta.device)  # only its size is read
+        # What varies between steps is dynamic from the first compile: the bucket, the rows' storage
+        # (rows, capacity) and the context read; the weights, the pool and the model's sizes stay static.
+        for t, dims in ((meta, (1,)), (cols, (0,)), *((t, (0, 2)) for t in dec.k + dec.v)):
+            for d in dims:
+                torch._dynamo.mark_dynamic(t, d)
         before = _compiled_seconds(compilation_time_metrics)
         t0 = time.perf_counter()
-        out = self.fn(m, dec, meta, L)
+        # No duck sizing: the rows' storage often holds exactly as many rows as the bucket, and an equality
+        # guessed from that would recompile the step when the storage grows or a smaller bucket runs.
+        with torch.fx.experimental._config.patch(use_duck_shape=False):
+            out = self.fn(m, dec, meta, cols)
         if _compiled_seconds(compilation_time_metrics) != before:  # this call compiled: count its whole time
             self.compile_s += time.perf_counter() - t0
             self.compiles += 1

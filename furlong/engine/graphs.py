@@ -60,15 +60,18 @@ def require_cuda(enabled: bool, device: torch.device) -> None:
         )
 
 
-def static_decode_step(m: NativeModel, dec: DecodeRows, meta: torch.Tensor, L: int | None = None) -> torch.Tensor:
+def static_decode_step(
+    m: NativeModel, dec: DecodeRows, meta: torch.Tensor, cols: torch.Tensor | None = None
+) -> torch.Tensor:
     """Logits [B, V] of B padded decode tokens; fixed shapes, no host value read: what a graph records.
 
     `meta` rows: token ids, positions, pool write slots, decode row of each token, token of each
     row, context length of each row (row order), write column of each token. Attention reads the
-    first `L` columns of the rows (None: their whole capacity, what a CUDA graph must read)."""
+    first `cols.shape[0]` columns of the rows (`cols` is only a length, carried as a tensor size so
+    `torch.compile` keeps it symbolic; None: their whole capacity, what a CUDA graph must read)."""
     ids, pos, slots, rows, inv, row_lens, last = meta.unbind(0)
     B = ids.shape[0]
-    L = dec.cap if L is None else L
+    L = dec.cap if cols is None else cols.shape[0]
     x, cos, sin = m._embed(ids, pos)
     mask = decode_mask(row_lens, L, x.dtype)
     at = row_slots(dec, rows, last)
@@ -166,7 +169,9 @@ class DecodeGraphs:
             m.adapters.plan = None  # `fits`: no adapter serves this step (a plan may be left from an eager one)
         D, B = b.n_decode, self.bucket(b.n_decode)
         dec, m.decode_kv = m.decode_kv, None  # set again only if this step completes
-        dec.reserve(B, 0)  # rows [D, B) for the padded tokens
+        # rows [D, B) for the padded tokens; compiled, a capacity above this step's longest context, so
+        # the rows read are never the whole (contiguous) storage, a case the graph would specialise on
+        dec.reserve(B, 0 if self.compiled is None else b.decode_plan.L + 1)
         key = (dec.generation, self._weights_key())
         if key != self.key:
             self.graphs.clear()  # they read storage that moved
