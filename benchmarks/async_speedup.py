@@ -22,7 +22,7 @@ by at most that much work; the default warm-up of 2 steps lets the buffer settle
 The machine line (`_machine.header`) is printed first.
 
     python benchmarks/async_speedup.py [--steps 5] [--runs 3] [--warmup 2] [--threads 2] [--size m25]
-        [--env-latency] [--shared] [--smoke]
+        [--env-latency] [--shared] [--set KEY=VALUE ...] [--smoke]
 
 Last line: `SPEEDUP overlap_vs_sync=<x> async_vs_sync=<y>`.
 """
@@ -52,6 +52,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--env-latency", action="store_true", help="episodes with 4 tool calls of 100-300 ms each")
     ap.add_argument("--shared", action="store_true", help="also fully async on time-shared cores (share_cores=true)")
+    ap.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a furlong setting for every mode, e.g. engine.compile=true (repeatable)",
+    )
     args = ap.parse_args(argv)
     if args.warmup < 1 or args.steps < 1:
         ap.error("--warmup and --steps must be >= 1")
@@ -65,11 +72,15 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"work: qwen3-{work.size}, {work.prompts} prompts x {work.group} samples x {work.new_tokens} tokens per step, "
         f"{work.warmup} warm-up + {work.steps} timed steps, {work.threads} threads; workload {work.generate_fn}; "
+        f"settings {list(args.set) or 'defaults'}; "
         f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores",
         flush=True,
     )
     res: dict[str, dict[str, float]] = {}
-    rows = [(mode, mode, ()) for mode in MODES] + ([("async_shared", "async", SHARED)] if args.shared else [])
+    given = tuple(args.set)
+    rows = [(mode, mode, given) for mode in MODES] + (
+        [("async_shared", "async", (*SHARED, *given))] if args.shared else []
+    )
     try:
         for name, mode, extra in rows:
             runs = 1 if args.smoke else args.runs
