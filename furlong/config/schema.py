@@ -181,9 +181,7 @@ class EngineConfig(Section):
     port_base: int = Field(0, ge=0, le=65535)  # engine i listens on port_base + i; 0 = free ports
     device: str = Field("auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$")  # auto: cuda:0 when visible, else cpu
     cuda_graphs: bool = False  # builtin on CUDA: replay decode steps as CUDA graphs, one per batch-size bucket
-    # builtin: torch.compile the decode step (engine/compiled_step.py); ~40 s of compiling once per engine process
-    # buys 1.3x decode in bf16 on CPU (1.06x in fp32): worth it for runs of more than a few minutes
-    compile: bool = False
+    compile: bool = False  # builtin: torch.compile the decode step once per engine process (engine/compiled_step.py)
 
 
 class RouterConfig(Section):
