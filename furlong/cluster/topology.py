@@ -66,24 +66,12 @@ def threads_per_process(cluster: ClusterConfig, world_size: int, num_engines: in
     return min(derived, int(cap)) if cap.isdigit() and int(cap) > 0 else derived
 
 
-def engine_threads(cluster: ClusterConfig, mode: str, threads: int) -> int:
-    """Threads of each engine process: `cluster.engine_threads` where engines decode beside the trainer
-    (async modes), else `threads`, what every process gets. Why apart: a decode step of a small model
-    keeps a second thread mostly idle, while the trainer uses it well, so on time-shared cores the
-    engine can leave it to the trainer."""
-    return cluster.engine_threads if cluster.engine_threads and mode != "sync" else threads
-
-
-def engine_niceness(
-    cluster: ClusterConfig, world_size: int, num_engines: int, mode: str, threads: int, eng_threads: int | None = None
-) -> int:
+def engine_niceness(cluster: ClusterConfig, world_size: int, num_engines: int, mode: str, threads: int) -> int:
     """How much lower the engines' CPU priority is: `cluster.engine_niceness` where an async run's threads
-    (`eng_threads` each engine's, when it differs) oversubscribe the cores (time-shared, see the module
-    docstring), else 0."""
+    oversubscribe the cores (time-shared, see the module docstring), else 0."""
     if mode == "sync" or not cluster.share_cores:
         return 0
-    busy = threads * world_size + (threads if eng_threads is None else eng_threads) * num_engines
-    return cluster.engine_niceness if busy > _cores(cluster) else 0
+    return cluster.engine_niceness if threads * (world_size + num_engines) > _cores(cluster) else 0
 
 
 def bundles_needed(cluster: ClusterConfig, world_size: int, num_engines: int) -> int:
@@ -183,15 +171,13 @@ class Topology:
         weights: WeightsConfig | None = None,
         eval_engines: int = 0,
         niceness: int = 0,
-        engine_threads: int | None = None,
     ) -> Topology:
         """`weights`: where the run's transport is checked against the placement (None: not checked).
         `eval_engines`: engines for `rollout.eval_mode=dedicated`, placed after the others, not routed.
-        `niceness`: the engines' lower CPU priority on time-shared cores (`engine_niceness`).
-        `engine_threads`: each engine process's threads (None: `threads`; see `engine_threads`)."""
+        `niceness`: the engines' lower CPU priority on time-shared cores (`engine_niceness`)."""
         top = cls(Path(run_dir), admin_token)
         try:
-            top._launch(cluster, engine, router, trainer, threads, weights, eval_engines, niceness, engine_threads)
+            top._launch(cluster, engine, router, trainer, threads, weights, eval_engines, niceness)
         except BaseException:
             top.shutdown()  # a half-started topology must not keep its actors and bundles (shared Ray, auto-restart)
             raise
@@ -207,7 +193,6 @@ class Topology:
         weights: WeightsConfig | None,
         n_eval: int = 0,
         niceness: int = 0,
-        engine_threads: int | None = None,
     ) -> None:
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
@@ -269,12 +254,11 @@ class Topology:
             for i in range(ne + n_eval):  # the eval engines last: eval-engine-j is engine ne + j
                 port = engine.port_base + i if engine.port_base else free_port()
                 bind, url_host = nodes.bind_host(engine.host, placed[ws + i][1], multi)
-                eth = threads if engine_threads is None else engine_threads
-                opts = dict(port=port, admin_token=self.admin_token, threads=eth, host=bind, niceness=niceness)
+                opts = dict(port=port, admin_token=self.admin_token, threads=threads, host=bind, niceness=niceness)
                 argv = engine_command(engine, model_dir=trainer.model_dir, **opts)
                 name = f"engine-{i}" if i < ne else f"eval-engine-{i - ne}"
                 actor = ProcessActor.options(**at(ws + i, num_cpus=1, num_gpus=gpu)).remote(
-                    name, argv, port, str(logs / f"{name}.log"), eth, url_host
+                    name, argv, port, str(logs / f"{name}.log"), threads, url_host
                 )
                 (self.engines if i < ne else self.eval_engines).append(actor)
             urls = ray.get([a.start.remote() for a in self.engines + self.eval_engines])

@@ -309,9 +309,6 @@ class ClusterConfig(Section):
     # Off by default: beside other busy programs a two-thread trainer stalls at its OpenMP barriers (docs/async.md)
     share_cores: bool = False
     engine_niceness: int = Field(10, ge=0, le=19)
-    # async modes: threads of each engine process (None = the same as every process); with share_cores, 1 leaves
-    # the trainer both cores of a 2-core machine while the engine decodes on one at lower priority
-    engine_threads: int | None = Field(None, ge=1)
     no_engine_timeout_s: float = Field(300.0, gt=0)  # no engine (or router) serving this long: the run stops
     # Ray resources a trainer rank / engine must be placed on (a node's custom resource or `node:<ip>`); rank or
     # engine i takes the i-th name, cycling; empty = wherever Ray puts it. See docs/cluster.md.

@@ -114,13 +114,12 @@ def eval_engines(cfg: Config) -> int:
 
 def topology(cfg: Config, run_dir: Path, model: str, admin_token: str, plugs: dict[str, Any]) -> Topology:
     """Trainer ranks, engines and router, started and ready (blocking: the driver runs it in a thread)."""
-    from furlong.cluster.topology import Topology, engine_niceness, engine_threads, threads_per_process
+    from furlong.cluster.topology import Topology, engine_niceness, threads_per_process
 
     spec = trainer_spec(cfg, model, plugs)
     n_eval = eval_engines(cfg)
     shape = (cfg.cluster, cfg.train.world_size, cfg.engine.num_engines + n_eval, cfg.rollout.mode)
     threads = threads_per_process(*shape)
-    eng_threads = engine_threads(cfg.cluster, cfg.rollout.mode, threads)
     return Topology.start(
         cluster=cfg.cluster,
         engine=cfg.engine,
@@ -131,8 +130,7 @@ def topology(cfg: Config, run_dir: Path, model: str, admin_token: str, plugs: di
         threads=threads,
         weights=cfg.weights,
         eval_engines=n_eval,
-        niceness=engine_niceness(*shape, threads, eng_threads),
-        engine_threads=eng_threads,
+        niceness=engine_niceness(*shape, threads),
     )
 
 

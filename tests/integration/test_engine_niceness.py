@@ -10,7 +10,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from furlong.cluster.topology import engine_niceness, engine_threads, threads_per_process
+from furlong.cluster.topology import engine_niceness, threads_per_process
 from furlong.config.schema import ClusterConfig
 from tests.helpers import engine_process, token_holders
 
@@ -50,17 +50,3 @@ def test_async_runs_time_share_the_cores_with_the_engines_at_lower_priority(monk
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     assert threads_per_process(two, 1, 1, "async") == 1 and engine_niceness(two, 1, 1, "async", 1) == 0
     assert engine_niceness(ClusterConfig(num_cpus=2, share_cores=True, engine_niceness=3), 1, 2, "overlap", 1) == 3
-
-
-def test_engine_threads_apply_where_engines_decode_beside_the_trainer(monkeypatch):
-    """`cluster.engine_threads`: the engines' own thread count in async modes (sync: engines and trainer take
-    turns, so both keep every core), counted when deciding whether the engines must yield."""
-    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-    one = ClusterConfig(num_cpus=2, share_cores=True, engine_threads=1)
-    assert engine_threads(one, "sync", 2) == 2 and engine_threads(one, "async", 2) == 1
-    assert engine_threads(ClusterConfig(num_cpus=2), "async", 1) == 1  # unset: what every process gets
-    assert engine_niceness(one, 1, 1, "async", 2, engine_threads(one, "async", 2)) == 10  # 2 + 1 on 2 cores
-    wide = ClusterConfig(num_cpus=3, share_cores=True, engine_threads=1)
-    assert engine_niceness(wide, 1, 1, "async", 2, 1) == 0  # 2 + 1 on 3 cores fit
-    with pytest.raises(ValueError):
-        ClusterConfig(engine_threads=0)
