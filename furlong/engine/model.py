@@ -28,6 +28,7 @@ from furlong.engine.adapters import Adapters
 from furlong.engine.attention import decode_attention, decode_mask, prefill_attention, row_slots
 from furlong.engine.decode_rows import DecodeRows
 from furlong.engine.moe import moe, pick_experts
+from furlong.engine.packed import Packed, Rows, placeholder
 from furlong.engine.quantized import QuantizedWeights, QuantProj
 
 if TYPE_CHECKING:
@@ -79,10 +80,15 @@ def pick_linear(dtype: torch.dtype) -> tuple[Callable[..., torch.Tensor], Callab
     project is measured on runs fp32 at roughly half the speed oneDNN reaches
     with its weights pre-packed into its own blocked layout (the engine's
     batches are 1-64 rows, where the packing pays most; the benchmark
-    `benchmarks/engine_throughput.py` prints both peaks). The price is a packed
-    copy of every dense weight (2x weight memory) and a re-pack of the touched
-    weights after each weight update (`NativeModel.refresh`). A build without
-    oneDNN, or a dtype it rejects, gets `F.linear`; the probe checks the result.
+    `benchmarks/engine_throughput.py` prints both peaks). It still pays on the
+    2-vCPU Xeon (AMX) of issue 15: m25, 2 threads, `--skip-http --skip-hf`, mixed
+    lengths / groups rows in tok/s: fp32 packed 1,051 / 1,613, `F.linear` 1,015 /
+    1,322, oneDNN on plain weights 1,024 / 1,511; bf16 packed 1,892 / 2,629,
+    `F.linear` 1,567 / 2,323, plain oneDNN 1,563 / 2,212. A weight update writes
+    the packed weights in place (`engine/packed.py`), so packing costs a sync
+    nothing extra, and the HF copies of held projections are dropped (one copy of
+    the weights, not two). A build without oneDNN, or a dtype it rejects, gets
+    `F.linear`; the probe checks the result.
     """
     if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")):
         return F.linear, lambda w: w
@@ -179,7 +185,10 @@ class NativeModel:
         self._add("lm_head", hf_model.lm_head)
         if self.quant is not None:
             self.quant.check_all_used()
+        self.packed: dict[str, Packed] = {}  # keys whose packed weight is written in place (engine/packed.py)
+        self.held: set[str] = set()  # of those, the keys whose HF parameters are meta placeholders
         self.refresh()
+        self._hold()
         self.decode_kv: DecodeRows | None = None
         self.adapters = Adapters(self)  # LoRA adapters served per request (engine/adapters.py)
 
@@ -227,14 +236,47 @@ class NativeModel:
             params = self.hf.state_dict(keep_vars=True)
             touched = {id(params[n]) for n in names if n in params}
             keys = [k for k, (_, deps) in self.sources.items() if any(id(d) in touched for d in deps)]
+        keys = [k for k in keys if k not in self.held]  # written in place by the update itself
         self._dirty = getattr(self, "_dirty", set()) | set(keys)
         if not defer:
             self._repack()
 
     def _repack(self) -> None:
         for k in self._dirty:
-            self.w[k] = self._pack(self.sources[k][0])
+            if k in self.packed:  # into the same memory: no allocation, and the forward's tensor stays the same
+                self.packed[k].write(0, self.sources[k][0])
+            else:
+                self.w[k] = self._pack(self.sources[k][0])
         self._dirty = set()
+
+    def _hold(self) -> None:
+        """Write each oneDNN-packed weight in place from now on (`engine/packed.py`): where its layout is
+        understood, and (held) its HF parameters become meta placeholders that name their packed rows, unless
+        another module reads them too (an lm_head tied to the embeddings is still copied, then re-packed in
+        place). Why: a sync is then one pass straight into the weights the forward reads, and the engine no
+        longer keeps a second, plain copy of every projection."""
+        if self._pack is not _onednn_pack:
+            return
+        users: dict[int, list[tuple[torch.nn.Module, str]]] = {}
+        for mod in self.hf.modules():
+            for pname, p in mod._parameters.items():
+                if p is not None:
+                    users.setdefault(id(p), []).append((mod, pname))
+        for key, (src, deps) in list(self.sources.items()):
+            pk = Packed.of(self.w[key], src, self._pack)
+            if pk is None:
+                continue
+            self.packed[key] = pk
+            if any(len(users.get(id(d), ())) != 1 for d in deps):
+                continue  # read elsewhere (tied): keep the HF tensor, re-pack it in place after updates
+            held, lo = [], 0
+            for d in deps:
+                mod, pname = users[id(d)][0]
+                setattr(mod, pname, placeholder(d, Rows(pk, lo, lo + d.shape[0])))
+                held.append(getattr(mod, pname))
+                lo += d.shape[0]
+            self.sources[key] = (torch.empty(src.shape, dtype=src.dtype, device="meta"), held)
+            self.held.add(key)
 
     def release(self) -> None:
         """Drop the decode rows (the scheduler calls this when nothing is running). Under CUDA graphs

@@ -167,8 +167,14 @@ def _layout_of(qt: QuantizedTensor, layer: QuantLinear) -> dict[str, torch.Tenso
 
 def held_state_dict(hf_model: nn.Module, model) -> dict[str, torch.Tensor]:
     """What the engine holds, by name: the HF state dict, with each quantised weight's meta placeholder
-    replaced by its codes + scales (payload names). What `/get_weights_checksum` hashes."""
-    sd = hf_model.state_dict()
+    replaced by its codes + scales (payload names) and each packed weight's (`engine/packed.py`) by its
+    values read back from the packed layout. What `/get_weights_checksum` hashes."""
+    from furlong.engine.packed import rows_of
+
+    sd = {
+        n: (r.read() if (r := rows_of(p)) is not None else p.detach())
+        for n, p in hf_model.state_dict(keep_vars=True).items()
+    }
     quant = getattr(model, "quant", None)
     if quant is None:
         return sd

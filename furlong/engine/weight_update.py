@@ -42,11 +42,21 @@ def check_named_tensors(model, named: dict[str, torch.Tensor], quant=None) -> di
 
 @torch.no_grad()
 def apply_named_tensors(model, named: dict[str, torch.Tensor], quant=None) -> None:
-    """Check everything (quantising dense weights that `quant` holds), then copy everything."""
+    """Check everything (quantising dense weights that `quant` holds), then copy everything.
+
+    A parameter held in oneDNN's packed layout (a meta placeholder naming its rows, `engine/packed.py`)
+    is written straight into the packed weight: that one pass is the whole update, no re-pack follows."""
+    from furlong.engine.packed import rows_of
+
     params = check_named_tensors(model, named, quant)
     copies = quant.plan(named) if quant is not None else []
     for name, t in named.items():
-        if quant is None or not quant.owns(name):
+        if quant is not None and quant.owns(name):
+            continue
+        rows = rows_of(params[name])
+        if rows is not None:
+            rows.write(t)
+        else:
             params[name].copy_(t)
     if copies:
         quant.commit(copies)

@@ -4,8 +4,8 @@ Why: a sync over shared memory made three full passes over the weights — the s
 each bucket into a segment, the engine copied it into its parameters, then re-packed the
 touched matrices for oneDNN. With the parameters themselves resident in a segment the
 engines map (`ResidentWeights.adopt`, once per trainer process), a bucket's handle points
-straight at them: the sender copies nothing, and the engine's copy out of the segment is
-the first of two passes.
+straight at them: the sender copies nothing, and the engine's write out of the segment,
+straight into its packed weights (`engine/packed.py`), is the only pass over the weights.
 
 Why it is safe: the engines read while the trainer waits inside `Sender.push`, which
 returns only after every engine acknowledged every bucket, so no optimiser step writes a

@@ -16,6 +16,7 @@ from transformers import AutoModelForCausalLM
 
 from furlong.core.net import free_port
 from furlong.engine.engine import Engine
+from furlong.engine.quantized import held_state_dict
 from furlong.engine.server import ServerThread
 from furlong.models import create_model
 from furlong.weights.tensors import checksum
@@ -66,7 +67,8 @@ def test_two_fsdp_ranks_each_send_their_own_part():
                 out, err = p.communicate(timeout=180)
                 assert p.returncode == 0, err[-3000:]
                 outs.append(json.loads(next(line for line in out.splitlines() if line.startswith("REPORT "))[7:]))
-        sums = engine.call(lambda: {n: checksum(t) for n, t in engine.hf.state_dict().items()}).result(60)
+        held = engine.call(lambda: held_state_dict(engine.hf, engine.model)).result(60)
+        sums = {n: checksum(t) for n, t in held.items()}
         assert sums == {n: checksum(t) for n, t in new_sd.items()}
         assert engine.weight_version == 7 and all(o["verified"] for o in outs)
         total = sum(t.numel() * 4 for t in new_sd.values())

@@ -18,6 +18,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from furlong.engine.engine import Engine
+from furlong.engine.quantized import held_state_dict
 from furlong.engine.request import Request
 from furlong.engine.sampler import SamplingParams
 from furlong.engine.server import ServerThread
@@ -68,7 +69,9 @@ def reset(world) -> None:
 
 
 def engine_sums(engine: Engine) -> dict[str, int]:
-    return engine.call(lambda: {n: checksum(t) for n, t in engine.hf.state_dict().items()}).result(timeout=60)
+    """CRC32 of what the engine holds (packed projections read back: their HF parameters are placeholders)."""
+    sd = engine.call(lambda: held_state_dict(engine.hf, engine.model)).result(timeout=60)
+    return {n: checksum(t) for n, t in sd.items()}
 
 
 def sender(transport: str, tmp_path, **kw):
@@ -264,8 +267,9 @@ def test_shm_segments_are_reused_then_unlinked(world, tmp_path, reuse):
 @pytest.mark.parametrize("transport", ["shm", "delta"])
 def test_resident_parameters_travel_without_a_copy(world, tmp_path, transport):
     """The trainer's parameters moved into shared memory are read by the engines in place: no bucket segment
-    is written for them, an optimiser step keeps them there, and a tensor computed for the sync (not held)
-    still travels through a bucket; every push ends verified against the engines' checksums."""
+    is written for them (all of them go in one request, whatever the bucket size), an optimiser step keeps
+    them there, and a tensor computed for the sync (not held) still travels through a bucket; every push ends
+    verified against the engines' checksums."""
     from furlong.weights.resident import ResidentWeights
 
     reset(world)
@@ -281,6 +285,7 @@ def test_resident_parameters_travel_without_a_copy(world, tmp_path, transport):
     try:
         first = s.push(model.state_dict().items(), 7)
         assert first.verified and first.zero_copy_bytes == first.bytes > 0 and s._free == []
+        assert first.buckets == 1  # one request for every resident tensor, though 0.05 MB buckets would make ~12
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
         model(input_ids=torch.tensor([[5, 6, 7]])).logits.sum().backward()
         opt.step()  # in place: the parameters stay in the segment
@@ -290,7 +295,7 @@ def test_resident_parameters_travel_without_a_copy(world, tmp_path, transport):
         items[key] = items[key] * 1.5  # computed for the sync, as a LoRA merge would be: not in the segment
         second = s.push(items.items(), 8)
         assert second.verified and second.zero_copy_bytes == second.bytes - items[key].numel() * 4
-        assert len(s._free) == 1  # one bucket segment, for that one tensor
+        assert len(s._free) == 1 and second.buckets == 2  # one bucket segment, for that one tensor
     finally:
         s.close()
         resident.close()

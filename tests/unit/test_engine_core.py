@@ -237,12 +237,14 @@ def test_retract_resume_gives_the_uninterrupted_output(engine):
 
 
 def test_bad_weight_update_is_atomic(engine):
+    from furlong.engine.quantized import held_state_dict
     from furlong.engine.weight_update import WeightUpdateError
 
-    before = {k: v.clone() for k, v in engine.hf.state_dict().items()}
+    before = {k: v.clone() for k, v in held_state_dict(engine.hf, engine.model).items()}
     good = {"model.norm.weight": torch.zeros_like(before["model.norm.weight"])}
     for bad in ({**good, "model.nope.weight": torch.zeros(3)}, {**good, "lm_head.weight": torch.zeros(3, 3)}):
         with pytest.raises(WeightUpdateError, match="model.nope.weight|lm_head.weight"):
             engine.call(lambda bad=bad: engine.apply_weights(bad)).result(10)
-    assert all(torch.equal(v, engine.hf.state_dict()[k]) for k, v in before.items())
+    after = held_state_dict(engine.hf, engine.model)
+    assert all(torch.equal(v, after[k]) for k, v in before.items())
     assert engine.weight_version == 0

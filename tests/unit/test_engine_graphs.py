@@ -18,6 +18,7 @@ from furlong.config.schema import Config, ConfigError
 from furlong.engine.engine import Engine
 from furlong.engine.graphs import DecodeGraphs, buckets, for_engine
 from furlong.engine.launch import engine_argv
+from furlong.engine.quantized import held_state_dict
 from furlong.engine.request import Request
 from furlong.engine.sampler import SamplingParams
 
@@ -70,7 +71,7 @@ def test_static_padded_decode_step_equals_the_dynamic_forward(arch):
     eager, static = (Engine(path, kv_cache_mb=2, max_running=8, block_size=4, device="cpu") for _ in range(2))
     runner = DecodeGraphs(static.model, static.pool.alloc() * static.pool.block_size, 8, capture=False)
     static.graphs = runner
-    update = {n: p.detach() * 1.01 for n, p in eager.hf.named_parameters() if "layers.0." in n}
+    update = {n: p * 1.01 for n, p in held_state_dict(eager.hf, eager.model).items() if "layers.0." in n}
     before = []
     reqs = lockstep({"eager": eager, "static": static}, update, on_update=lambda: before.append(runner.key))
     assert not (eager.running or eager.waiting or static.running or static.waiting)
@@ -85,7 +86,8 @@ def test_static_padded_decode_step_equals_the_dynamic_forward(arch):
     print(f"{arch}: largest log-prob gap static vs dynamic {gap:.3g}")
     used = {B for B, n in runner.replays.items() if n}
     assert {1, 2, 4, 8} <= used, runner.replays  # ragged joins and leaves went through several buckets
-    assert runner.key != before[0]  # the CPU re-pack allocated new weights: graphs would be recaptured
+    # the packed weights were written in place (engine/packed.py): nothing moved, so no graph would be recaptured
+    assert runner.key == before[0] and static.model.held
     assert eager.pool.used == 0 and static.pool.used == 1  # only the scratch block stays taken
 
 
@@ -127,7 +129,7 @@ def test_compiled_decode_step_follows_the_dynamic_forward_and_compiles_once(arch
     compiled = Engine(path, kv_cache_mb=2, max_running=8, block_size=4, device="cpu", compile_decode=True)
     runner = compiled.graphs
     assert runner.compiled is not None and runner.buckets == [1, 2, 4, 8] and runner.bucket(1) == 2
-    update = {n: p.detach() * 1.01 for n, p in eager.hf.named_parameters() if "layers.0." in n}
+    update = {n: p * 1.01 for n, p in held_state_dict(eager.hf, eager.model).items() if "layers.0." in n}
     at_update = []
     reqs = lockstep(
         {"eager": eager, "compiled": compiled}, update, on_update=lambda: at_update.append(runner.compiled.compiles)
