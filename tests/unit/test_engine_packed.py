@@ -61,7 +61,7 @@ def test_a_layout_with_padding_is_not_held():
 def greedy(engine: Engine) -> list[tuple[list[int], list[float]]]:
     engine.flush_cache().result(10)
     params = SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True)
-    reqs = engine.generate([Request(p, params, return_logprob=True) for p in PROMPTS], timeout=120)
+    reqs = engine.generate([Request(p, params, return_logprob=True) for p in PROMPTS], timeout=60)
     return [(r.output_ids, r.output_logprobs) for r in reqs]
 
 
@@ -80,7 +80,7 @@ def fresh_engine_on(path, weights: dict[str, torch.Tensor], out) -> list:
         eng.stop()
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(300)
 def test_sync_is_one_pass_into_the_packed_weights_and_exact(tmp_path, monkeypatch):
     path = create_model("qwen3", "tiny")
     eng = Engine(path, kv_cache_mb=2, block_size=4).start()
@@ -110,7 +110,7 @@ def test_sync_is_one_pass_into_the_packed_weights_and_exact(tmp_path, monkeypatc
         eng.stop()
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(300)
 def test_tied_lm_head_is_copied_then_repacked_in_place(tmp_path):
     from furlong.models.factory import SIZES, hf_config
 
