@@ -31,6 +31,8 @@ from multiprocessing import shared_memory
 import torch
 from torch import nn
 
+from furlong.weights.tensors import create_segment, unlink_segment
+
 log = logging.getLogger("furlong.weights")
 ALIGN = 64  # offsets, as in tensors.write_shm
 SHM_DIR = "/dev/shm"
@@ -66,7 +68,7 @@ class ResidentWeights:
         if not _room(total):
             log.warning("weights: /dev/shm has less than %d MB free; the sender copies each bucket", total >> 19)
             return None
-        seg = shared_memory.SharedMemory(create=True, size=max(total, 1))
+        seg = create_segment(total)
         offset = 0
         with torch.no_grad():
             for p, size in zip(params, sizes):
@@ -91,6 +93,6 @@ class ResidentWeights:
     def close(self) -> None:
         """Unlink the name (no new mapping can open it); the memory lives on while any view or mapping does."""
         try:
-            self.seg.unlink()
+            unlink_segment(self.seg, close=False)
         except FileNotFoundError:
             pass

@@ -41,7 +41,7 @@ from furlong.weights.base import Sender, buckets, layout, nbytes
 from furlong.weights.checksums import VerifyUnsupported, engine_checksums
 from furlong.weights.report import SyncReport
 from furlong.weights.resident import ResidentWeights
-from furlong.weights.tensors import checksum, copy_into, dtype_name
+from furlong.weights.tensors import checksum, copy_into, create_segment, dtype_name, unlink_segment
 
 IN_FLIGHT = 2
 ALIGN = 64  # tensor offsets, as in tensors.write_shm
@@ -66,7 +66,7 @@ def write_segment(
     else:
         if free:  # too small for this (oversized) bucket: make room rather than grow the pool
             unlink(free.pop(0))
-        seg = shared_memory.SharedMemory(create=True, size=max(offset, min_size, 1))
+        seg = create_segment(max(offset, min_size))
     for spec, (name, t) in zip(specs, group):
         copy_into(seg.buf, spec["offset"], t)
         if crcs is not None:
@@ -74,9 +74,7 @@ def write_segment(
     return seg, {"shm_name": seg.name, "tensors": specs}
 
 
-def unlink(seg: shared_memory.SharedMemory) -> None:
-    seg.close()
-    seg.unlink()
+unlink = unlink_segment
 
 
 class ShmSender(Sender):

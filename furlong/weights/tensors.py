@@ -21,6 +21,22 @@ from typing import Any
 import torch
 
 _ALIGN = 64
+_created: set[str] = set()  # segments this process created: its resource tracker must keep them registered
+
+
+def create_segment(size: int) -> shared_memory.SharedMemory:
+    """A new segment of `size` bytes (at least 1) that this process owns and unlinks."""
+    seg = shared_memory.SharedMemory(create=True, size=max(size, 1))
+    _created.add(seg._name)  # type: ignore[attr-defined]
+    return seg
+
+
+def unlink_segment(seg: shared_memory.SharedMemory, close: bool = True) -> None:
+    """Unlink a segment this process created (closing its mapping unless views of it live on)."""
+    _created.discard(seg._name)  # type: ignore[attr-defined]
+    if close:
+        seg.close()
+    seg.unlink()
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -69,7 +85,7 @@ def write_shm(
             {"name": name, "dtype": dtype_name(t.dtype), "shape": list(t.shape), "offset": offset, "nbytes": nbytes}
         )
         offset += -(-nbytes // _ALIGN) * _ALIGN
-    shm = shared_memory.SharedMemory(create=True, size=max(offset, 1))
+    shm = create_segment(offset)
     for spec, t in zip(specs, named.values()):
         copy_into(shm.buf, spec["offset"], t)
         if with_checksum:
@@ -177,11 +193,10 @@ def _open(name: str) -> shared_memory.SharedMemory:
             seg = shared_memory.SharedMemory(name=name)
         except FileNotFoundError:
             raise ValueError(f"shm_name: no shared-memory segment {name!r}") from None
-        try:
-            # The sender owns the segment; stop this process's tracker from unlinking it at exit.
+        if seg._name not in _created:  # type: ignore[attr-defined]
+            # The sender owns the segment; stop this process's tracker from unlinking it at exit (a segment
+            # this process created stays registered: its unlink unregisters it, once).
             resource_tracker.unregister(seg._name, "shared_memory")  # type: ignore[attr-defined]
-        except Exception:
-            pass
         if hit is None:
             _mapped[name] = (seg, ino, 1)
         while len(_mapped) > MAPPINGS:

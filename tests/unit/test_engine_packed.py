@@ -16,7 +16,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from furlong.engine import blockcopy
 from furlong.engine import model as native
+from furlong.engine import packed as packed_mod
 from furlong.engine.engine import Engine
 from furlong.engine.packed import Packed, memory, rows_of
 from furlong.engine.quantized import held_state_dict
@@ -33,8 +35,15 @@ def packed_bytes(p: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return memory(p, dtype).view(torch.uint8).clone()
 
 
+@pytest.mark.parametrize("kernel", [True, False], ids=["c-kernel", "torch-copy"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_rows_written_in_place_are_the_bytes_of_a_fresh_pack(dtype):
+def test_rows_written_in_place_are_the_bytes_of_a_fresh_pack(dtype, kernel, monkeypatch):
+    """Both ways of writing whole row blocks (the compiled transpose, PyTorch's strided copy) give the same bytes."""
+    if kernel and blockcopy.kernel() is None:
+        pytest.skip("no C compiler on this machine: syncs use PyTorch's copy (the torch-copy case)")
+    calls = []
+    real = packed_mod.transpose_blocks
+    monkeypatch.setattr(packed_mod, "transpose_blocks", lambda *a: calls.append(a) is None and kernel and real(*a))
     pack = native._onednn_pack
     torch.manual_seed(0)
     w = torch.randn(384, 256).to(dtype)
@@ -50,6 +59,25 @@ def test_rows_written_in_place_are_the_bytes_of_a_fresh_pack(dtype):
     x = torch.randn(7, 256).to(dtype)
     assert torch.equal(native._onednn_linear(x, p), native._onednn_linear(x, pack(new)))
     assert held.packed is p  # the tensor the forward multiplies by is the one written
+    assert calls  # whole blocks were offered to the kernel (and, in the torch-copy case, declined)
+
+
+@pytest.mark.parametrize("dtype", [torch.int16, torch.float32, torch.float64])
+@pytest.mark.parametrize("rows,cols", [(64, 768), (32, 48), (16, 16), (5, 7), (64, 20)])
+def test_block_transpose_kernel_matches_torch(dtype, rows, cols):
+    """The C kernel transposes each [rows, cols] block: AVX-512 tiles where both are multiples of 16
+    (streaming stores into an aligned destination, plain stores into an unaligned one), scalar tiles else."""
+    if blockcopy.kernel() is None:
+        pytest.skip("no C compiler on this machine")
+    src = torch.randint(-1000, 1000, (3 * rows * cols,)).to(dtype)
+    want = src.view(3, rows, cols).transpose(1, 2).reshape(-1)
+    for offset in (0, 1):  # offset 1: a destination that is not 64-byte aligned
+        dst = torch.zeros(3 * rows * cols + 1, dtype=dtype)[offset : offset + 3 * rows * cols]
+        assert blockcopy.transpose_blocks(src, dst, rows, cols)
+        assert torch.equal(dst, want)
+    with pytest.raises(ValueError, match="whole"):
+        blockcopy.transpose_blocks(src[:-1], dst[:-1], rows, cols)
+    assert not blockcopy.transpose_blocks(src, torch.empty(src.numel(), dtype=torch.int8), rows, cols)
 
 
 def test_a_layout_with_padding_is_not_held():
