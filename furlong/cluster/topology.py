@@ -18,9 +18,10 @@ per process gets one.
 Time-shared cores (`cluster.share_cores=true`, async modes; off by default): splitting two
 cores 1 + 1 between trainer and engine costs the trainer 1.7x per step (it scales 1.73x from
 one thread to two). Shared, every process takes the threads a sync run gives it, and where that
-oversubscribes the cores the engines run at lower priority (`cluster.engine_niceness`, nice +10):
-the kernel gives the trainer the cores whenever it computes and the engines the cycles it leaves
-idle. Off by default because a two-thread trainer beside other busy programs stalls at its
+oversubscribes the cores the engines freeze in place while the trainer computes (the driver's
+`EngineSupervisor.trainer_computing`) and run at lower priority (`cluster.engine_niceness`, nice
++10) the rest of the time: the trainer has the cores whenever it computes, the engines the cycles
+it leaves idle. Off by default because a two-thread trainer beside other busy programs stalls at its
 OpenMP barriers (docs/async.md#time-shared-cores).
 
 Priority: the local Ray starts its workers at nice 0 (`RAY_worker_niceness`; Ray's default is
@@ -66,12 +67,17 @@ def threads_per_process(cluster: ClusterConfig, world_size: int, num_engines: in
     return min(derived, int(cap)) if cap.isdigit() and int(cap) > 0 else derived
 
 
-def engine_niceness(cluster: ClusterConfig, world_size: int, num_engines: int, mode: str, threads: int) -> int:
-    """How much lower the engines' CPU priority is: `cluster.engine_niceness` where an async run's threads
-    oversubscribe the cores (time-shared, see the module docstring), else 0."""
+def time_shared(cluster: ClusterConfig, world_size: int, num_engines: int, mode: str, threads: int) -> bool:
+    """Whether an async run's trainer and engines time-share the cores: `cluster.share_cores` and their threads
+    together oversubscribe them (see the module docstring)."""
     if mode == "sync" or not cluster.share_cores:
-        return 0
-    return cluster.engine_niceness if threads * (world_size + num_engines) > _cores(cluster) else 0
+        return False
+    return threads * (world_size + num_engines) > _cores(cluster)
+
+
+def engine_niceness(cluster: ClusterConfig, world_size: int, num_engines: int, mode: str, threads: int) -> int:
+    """How much lower the engines' CPU priority is: `cluster.engine_niceness` where the cores are time-shared."""
+    return cluster.engine_niceness if time_shared(cluster, world_size, num_engines, mode, threads) else 0
 
 
 def bundles_needed(cluster: ClusterConfig, world_size: int, num_engines: int) -> int:

@@ -304,8 +304,8 @@ class ClusterConfig(Section):
     num_gpus: int | None = Field(None, ge=0)
     auto_restart: bool = False  # restart a dead trainer from its last checkpoint
     threads_per_process: int | None = Field(None, ge=1)  # None = cores / processes
-    # async modes: trainer and engines each take a sync run's threads and time-share the cores, engines at lower
-    # priority (nice +engine_niceness) so the trainer wins a core whenever it computes; false: split the cores.
+    # async modes: trainer and engines each take a sync run's threads and time-share the cores: the engines freeze in
+    # place while the trainer computes and run at lower priority (nice +engine_niceness); false: split the cores.
     # Off by default: beside other busy programs a two-thread trainer stalls at its OpenMP barriers (docs/async.md)
     share_cores: bool = False
     engine_niceness: int = Field(10, ge=0, le=19)

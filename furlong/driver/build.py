@@ -112,14 +112,21 @@ def eval_engines(cfg: Config) -> int:
     return cfg.engine.eval_num_engines if cfg.rollout.eval_mode == "dedicated" else 0
 
 
+def _cores_shape(cfg: Config) -> tuple[tuple, int]:
+    """(cluster, trainer ranks, engines, rollout mode), and the threads each process gets."""
+    from furlong.cluster.topology import threads_per_process
+
+    shape = (cfg.cluster, cfg.train.world_size, cfg.engine.num_engines + eval_engines(cfg), cfg.rollout.mode)
+    return shape, threads_per_process(*shape)
+
+
 def topology(cfg: Config, run_dir: Path, model: str, admin_token: str, plugs: dict[str, Any]) -> Topology:
     """Trainer ranks, engines and router, started and ready (blocking: the driver runs it in a thread)."""
-    from furlong.cluster.topology import Topology, engine_niceness, threads_per_process
+    from furlong.cluster.topology import Topology, engine_niceness
 
     spec = trainer_spec(cfg, model, plugs)
     n_eval = eval_engines(cfg)
-    shape = (cfg.cluster, cfg.train.world_size, cfg.engine.num_engines + n_eval, cfg.rollout.mode)
-    threads = threads_per_process(*shape)
+    shape, threads = _cores_shape(cfg)
     return Topology.start(
         cluster=cfg.cluster,
         engine=cfg.engine,
@@ -178,7 +185,9 @@ def supervisor(
     cfg: Config, top: Topology, admin_token: str, run_dir: Path, version: WeightVersion, note: Any
 ) -> EngineSupervisor:
     from furlong.cluster.supervisor import EngineSupervisor
+    from furlong.cluster.topology import time_shared
 
+    shape, threads = _cores_shape(cfg)
     return EngineSupervisor(
         top,
         router=cfg.router,
@@ -189,6 +198,7 @@ def supervisor(
         run_dir=run_dir,
         version=version,
         note=note,
+        yield_to_trainer=time_shared(*shape, threads) and not cfg.cluster.colocate,
     )
 
 

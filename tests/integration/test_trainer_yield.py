@@ -1,0 +1,93 @@
+"""Time-shared cores: the rollout engines freeze in place while the trainer computes, and go on after.
+
+A real engine process; the supervisor's `trainer_computing()` around a stand-in train step. While
+the engine is frozen a request in flight keeps its place (paused "in_place", no engine step is
+taken, a new request is queued, not refused); after it, both finish with every token. With the cores
+not time-shared the same block leaves the engine running.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import secrets
+from types import SimpleNamespace
+
+import httpx
+import pytest
+
+from furlong.cluster.supervisor import EngineSupervisor
+from furlong.config.schema import ClusterConfig, RouterConfig, WeightsConfig
+from furlong.core.version import WeightVersion
+from tests.helpers import engine_process
+
+
+def supervisor(url: str, token: str, tmp_path, yield_to_trainer: bool) -> EngineSupervisor:
+    top = SimpleNamespace(trainers=None, engines=[None], engine_urls=[url], router=None, router_url="")
+    return EngineSupervisor(
+        top,
+        router=RouterConfig(),
+        weights=WeightsConfig(),
+        cluster=ClusterConfig(share_cores=True),
+        pause_mode="retract",
+        admin_token=token,
+        run_dir=tmp_path,
+        version=WeightVersion(0),
+        note=lambda text: None,
+        yield_to_trainer=yield_to_trainer,
+    )
+
+
+async def engine_state(http: httpx.AsyncClient, url: str) -> tuple[str | None, int]:
+    """(paused mode, engine steps taken so far)."""
+    info = (await http.get(url + "/get_server_info")).json()
+    steps = re.search(r"^furlong_engine_steps_total (\d+)", (await http.get(url + "/metrics")).text, re.M)
+    return info["paused"], int(steps.group(1))
+
+
+async def until(predicate, what: str, timeout_s: float = 60.0) -> None:
+    for _ in range(int(timeout_s / 0.05)):
+        if await predicate():
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+@pytest.mark.timeout(240)
+def test_engines_freeze_in_place_while_the_trainer_computes(tmp_path):
+    token = secrets.token_hex(8)
+    with engine_process(token, "--max-context", "2048") as (url, _):
+
+        async def main():
+            sup = supervisor(url, token, tmp_path, yield_to_trainer=True)
+            body = {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 2000, "ignore_eos": True}}
+            async with httpx.AsyncClient(timeout=120) as http:
+                try:
+                    first = asyncio.create_task(http.post(url + "/generate", json=body))
+                    start = (await engine_state(http, url))[1]
+                    await until(lambda: _moved(http, url, start), "decoding")
+                    async with sup.trainer_computing():
+                        paused, frozen_at = await engine_state(http, url)
+                        assert paused == "in_place"
+                        second = asyncio.create_task(http.post(url + "/generate", json=body))
+                        await asyncio.sleep(1.0)  # an engine that were still running would take steps meanwhile
+                        assert await engine_state(http, url) == ("in_place", frozen_at)
+                        assert not first.done() and not second.done()
+                    assert (await engine_state(http, url))[0] is None
+                    for done in await asyncio.gather(first, second):
+                        assert done.status_code == 200, done.text
+                        assert done.json()["meta_info"]["completion_tokens"] == 2000
+                    assert sup.counts["trainer_yields"] == 1
+
+                    running = supervisor(url, token, tmp_path, yield_to_trainer=False)
+                    async with running.trainer_computing():
+                        assert (await engine_state(http, url))[0] is None  # not time-shared: nothing paused
+                    assert running.counts["trainer_yields"] == 0
+                finally:
+                    await sup.stop()
+
+        asyncio.run(main())
+
+
+async def _moved(http: httpx.AsyncClient, url: str, start: int) -> bool:
+    return (await engine_state(http, url))[1] > start
