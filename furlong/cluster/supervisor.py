@@ -453,7 +453,7 @@ class EngineSupervisor:
         new ones queued) while the trainer computes, and go on at once after.
 
         Why: OS priority alone (nice +10, even SCHED_IDLE) did not keep a running engine from slowing a two-thread
-        trainer 2.5x on 2 vCPUs (its OpenMP barriers wait for the thread that lost its core, and the two share
+        trainer 2.5-3.5x on 2 vCPUs (its OpenMP barriers wait for the thread that lost its core, and the two share
         caches and memory bandwidth); a frozen engine costs the trainer nothing. The engines still use every
         cycle the trainer leaves: its wait for a batch, the weight sync, the driver's work — and requests keep
         arriving while they are frozen (an environment's tool call finishing), so tool latency overlaps training.
