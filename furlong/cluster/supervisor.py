@@ -50,10 +50,9 @@ A dead trainer is not this module's: `TrainerDied` goes to `furlong.driver.resta
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -107,13 +106,10 @@ class EngineSupervisor:
         run_dir: Path,
         version: WeightVersion,
         note: Callable[[str], None] = print,
-        yield_to_trainer: bool = False,
     ):
-        """`version`: the run's weight-version owner; syncs advance it, re-syncs stamp engines with it.
-        `yield_to_trainer`: time-shared cores, the engines freeze while the trainer computes (`trainer_computing`)."""
+        """`version`: the run's weight-version owner; syncs advance it, re-syncs stamp engines with it."""
         self.top, self.trainers, self.token, self.note = top, top.trainers, admin_token, note
         self.pause_mode, self.version = pause_mode, version
-        self.yield_to_trainer = yield_to_trainer
         r = router
         self.interval, self.timeout, self.unhealthy_after = r.health_interval_s, r.health_timeout_s, r.unhealthy_after
         self.transport = getattr(top, "transport", None) or weights.transport  # across nodes: what the placement allows
@@ -446,29 +442,6 @@ class EngineSupervisor:
         bad = [f"{u}: {r}" for u, r in zip(urls, out) if isinstance(r, BaseException)]
         if bad:
             raise RuntimeError(f"{what} failed on {'; '.join(bad)}")
-
-    @contextlib.asynccontextmanager
-    async def trainer_computing(self) -> AsyncIterator[None]:
-        """Around a train step: with time-shared cores the rollout engines freeze in place (requests and KV kept,
-        new ones queued) while the trainer computes, and go on at once after.
-
-        Why: OS priority alone (nice +10, even SCHED_IDLE) did not keep a running engine from slowing a two-thread
-        trainer 2.5-3.5x on 2 vCPUs (its OpenMP barriers wait for the thread that lost its core, and the two share
-        caches and memory bandwidth); a frozen engine costs the trainer nothing. The engines still use every
-        cycle the trainer leaves: its wait for a batch, the weight sync, the driver's work — and requests keep
-        arriving while they are frozen (an environment's tool call finishing), so tool latency overlaps training.
-        Best effort: an engine that fails the pause or the continue is the health checks' to find."""
-        if not self.yield_to_trainer:
-            yield
-            return
-        async with self._lock:
-            urls = [s.url for s in self._targets()] if self.slots else list(self.top.engine_urls)
-        await asyncio.gather(*(self._client(u).pause("in_place") for u in urls), return_exceptions=True)
-        self.counts["trainer_yields"] += 1
-        try:
-            yield
-        finally:
-            await asyncio.gather(*(self._client(u).resume() for u in urls), return_exceptions=True)
 
     async def sync_eval_engines(self) -> int:
         """Give the dedicated eval engines (`rollout.eval_mode=dedicated`) the trainer's weights as the current

@@ -19,7 +19,7 @@ Time-shared cores (`cluster.share_cores=true`, async modes; off by default): spl
 cores 1 + 1 between trainer and engine costs the trainer 1.7x per step (it scales 1.73x from
 one thread to two). Shared, every process takes the threads a sync run gives it, and where that
 oversubscribes the cores the engines freeze in place while the trainer computes (the driver's
-`EngineSupervisor.trainer_computing`) and run at lower priority (`cluster.engine_niceness`, nice
+`furlong/cluster/core_sharing.py`) and run at lower priority (`cluster.engine_niceness`, nice
 +10) the rest of the time: the trainer has the cores whenever it computes, the engines the cycles
 it leaves idle. Off by default because a two-thread trainer beside other busy programs stalls at its
 OpenMP barriers (docs/async.md#time-shared-cores).

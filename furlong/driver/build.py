@@ -185,9 +185,7 @@ def supervisor(
     cfg: Config, top: Topology, admin_token: str, run_dir: Path, version: WeightVersion, note: Any
 ) -> EngineSupervisor:
     from furlong.cluster.supervisor import EngineSupervisor
-    from furlong.cluster.topology import time_shared
 
-    shape, threads = _cores_shape(cfg)
     return EngineSupervisor(
         top,
         router=cfg.router,
@@ -198,8 +196,18 @@ def supervisor(
         run_dir=run_dir,
         version=version,
         note=note,
-        yield_to_trainer=time_shared(*shape, threads) and not cfg.cluster.colocate,
     )
+
+
+def core_sharing(cfg: Config, top: Topology, admin_token: str) -> Any:
+    """The rollout engines' freeze around each train step, on where the cores are time-shared
+    (`cluster.share_cores` and the threads oversubscribe them; a colocated engine has no process of its own)."""
+    from furlong.cluster.core_sharing import EngineYield
+    from furlong.cluster.topology import time_shared
+
+    shape, threads = _cores_shape(cfg)
+    enabled = time_shared(*shape, threads) and not cfg.cluster.colocate
+    return EngineYield(lambda: list(top.engine_urls), admin_token, enabled)
 
 
 def timeline(cfg: Config, store: Any, top: Topology, model: str) -> Any:

@@ -69,7 +69,7 @@ class Run:
         self.version = WeightVersion(0)
         self.step = 0
         self.saved_at = time.monotonic()  # the last checkpoint (or the start): `train.checkpoint_every_min` counts
-        self.top = self.trainers = self.manager = self.supervisor = self.dashboard = self.log = None
+        self.top = self.trainers = self.manager = self.supervisor = self.cores = self.dashboard = self.log = None
 
     async def run(self) -> dict[str, Any]:
         t0 = time.perf_counter()
@@ -156,6 +156,7 @@ class Run:
             self.teacher = EngineClient(url, admin_token=self.token)
         self.client = EngineClient(self.top.router_url, admin_token=self.token)
         self.supervisor = build.supervisor(cfg, self.top, self.token, self.run_dir, self.version, self.log.note)
+        self.cores = build.core_sharing(cfg, self.top, self.token)
         self.manager = build.rollout_manager(
             cfg,
             self.source,
@@ -241,7 +242,7 @@ class Run:
                 scored = await score_batch(self.teacher, batch)
         t_gen = time.perf_counter()
         with span("driver", "idle", n, waiting="trainers"):  # the ranks' own lanes show what they did
-            async with self.supervisor.trainer_computing():  # time-shared cores: the engines freeze meanwhile
+            async with self.cores.trainer_computing():  # time-shared cores: the engines freeze meanwhile
                 trained = await self.trainers.train_rollout(batch)
         per_opt = trained["metrics"]
         check_finite(per_opt, train.max_nonfinite_steps, step, self.log.note)  # stops after N NaN/inf in a row
@@ -380,6 +381,9 @@ class Run:
         if self.supervisor is not None:  # first: shutting the engines down is not a fault
             await self.supervisor.stop()
             self.supervisor = None
+        if self.cores is not None:
+            await self.cores.aclose()
+            self.cores = None
         if self.manager is not None:
             try:
                 await self.manager.close()

@@ -1,9 +1,9 @@
 """Time-shared cores: the rollout engines freeze in place while the trainer computes, and go on after.
 
-A real engine process; the supervisor's `trainer_computing()` around a stand-in train step. While
-the engine is frozen a request in flight keeps its place (paused "in_place", no engine step is
-taken, a new request is queued, not refused); after it, both finish with every token. With the cores
-not time-shared the same block leaves the engine running.
+A real engine process; `EngineYield.trainer_computing()` (furlong/cluster/core_sharing.py) around a
+stand-in train step. While the engine is frozen a request in flight keeps its place (paused "in_place",
+no engine step is taken, a new request is queued, not refused); after it, both finish with every token.
+With the cores not time-shared the same block leaves the engine running.
 """
 
 from __future__ import annotations
@@ -11,31 +11,12 @@ from __future__ import annotations
 import asyncio
 import re
 import secrets
-from types import SimpleNamespace
 
 import httpx
 import pytest
 
-from furlong.cluster.supervisor import EngineSupervisor
-from furlong.config.schema import ClusterConfig, RouterConfig, WeightsConfig
-from furlong.core.version import WeightVersion
+from furlong.cluster.core_sharing import EngineYield
 from tests.helpers import engine_process
-
-
-def supervisor(url: str, token: str, tmp_path, yield_to_trainer: bool) -> EngineSupervisor:
-    top = SimpleNamespace(trainers=None, engines=[None], engine_urls=[url], router=None, router_url="")
-    return EngineSupervisor(
-        top,
-        router=RouterConfig(),
-        weights=WeightsConfig(),
-        cluster=ClusterConfig(share_cores=True),
-        pause_mode="retract",
-        admin_token=token,
-        run_dir=tmp_path,
-        version=WeightVersion(0),
-        note=lambda text: None,
-        yield_to_trainer=yield_to_trainer,
-    )
 
 
 async def engine_state(http: httpx.AsyncClient, url: str) -> tuple[str | None, int]:
@@ -54,12 +35,12 @@ async def until(predicate, what: str, timeout_s: float = 60.0) -> None:
 
 
 @pytest.mark.timeout(240)
-def test_engines_freeze_in_place_while_the_trainer_computes(tmp_path):
+def test_engines_freeze_in_place_while_the_trainer_computes():
     token = secrets.token_hex(8)
     with engine_process(token, "--max-context", "2048") as (url, _):
 
         async def main():
-            sup = supervisor(url, token, tmp_path, yield_to_trainer=True)
+            sup = EngineYield(lambda: [url], token, enabled=True)
             body = {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 2000, "ignore_eos": True}}
             async with httpx.AsyncClient(timeout=120) as http:
                 try:
@@ -77,14 +58,14 @@ def test_engines_freeze_in_place_while_the_trainer_computes(tmp_path):
                     for done in await asyncio.gather(first, second):
                         assert done.status_code == 200, done.text
                         assert done.json()["meta_info"]["completion_tokens"] == 2000
-                    assert sup.counts["trainer_yields"] == 1
+                    assert sup.yields == 1
 
-                    running = supervisor(url, token, tmp_path, yield_to_trainer=False)
+                    running = EngineYield(lambda: [url], token, enabled=False)
                     async with running.trainer_computing():
                         assert (await engine_state(http, url))[0] is None  # not time-shared: nothing paused
-                    assert running.counts["trainer_yields"] == 0
+                    assert running.yields == 0
                 finally:
-                    await sup.stop()
+                    await sup.aclose()
 
         asyncio.run(main())
 
