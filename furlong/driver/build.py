@@ -200,7 +200,7 @@ def supervisor(
 
 
 def core_sharing(cfg: Config, top: Topology, admin_token: str) -> Any:
-    """The rollout engines' freeze around each train step, on where the cores are time-shared
+    """The rollout engines' freeze around each train step, enabled where the cores are time-shared
     (`cluster.share_cores` and the threads oversubscribe them; a colocated engine has no process of its own)."""
     from furlong.cluster.core_sharing import EngineYield
     from furlong.cluster.topology import time_shared
