@@ -9,6 +9,9 @@ no value is read back from the device, and no tensor is made from host data.
 
 from __future__ import annotations
 
+import functools
+import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -56,14 +59,67 @@ def write_rows(dec: DecodeRows, li: int, slots: torch.Tensor, k: torch.Tensor, v
 def rows_attention(m: NativeModel, q: torch.Tensor, kd: torch.Tensor, vd: torch.Tensor, mask: torch.Tensor):
     """GQA attention of R queries (row order, [R, H, hd]) over rows [R, kv, L, hd]; returns [R, H, hd].
 
-    The g query heads of a kv head are passed to SDPA as g query *positions* of that head, so the
-    kv rows are read once per kv head, never repeated, and the strided row views go in as they are.
-    Why SDPA rather than matmul + softmax + matmul (what this was): on CPU its fused kernel took
-    159 us a layer against 397 us in bf16 (whose batched matmuls copied the strided rows first) and
-    156 against 182 us in fp32 (R=32, 4 kv heads x 2, hd 64, L 90; 2 threads, Intel Xeon)."""
+    The g query heads of a kv head are passed as g query *positions* of that head, so the kv rows are
+    read once per kv head, never repeated, and the strided row views go in as they are. How: the
+    model's `attend_rows` (`pick_decode_attention`, measured when the model loads)."""
     R, hd = q.shape[0], m.head_dim
     qd = q.view(R, m.n_kv, m.n_heads // m.n_kv, hd)
-    return F.scaled_dot_product_attention(qd, kd, vd, attn_mask=mask, scale=m.scale).reshape(R, m.n_heads, hd)
+    return m.attend_rows(qd, kd, vd, mask, m.scale).reshape(R, m.n_heads, hd)
+
+
+def sdpa_rows(qd: torch.Tensor, kd: torch.Tensor, vd: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+    """[R, kv, g, hd] queries over [R, kv, L, hd] rows through SDPA's fused kernel.
+
+    Why SDPA rather than matmul + softmax + matmul: on the Intel Xeon of the benchmarks its kernel
+    took 159 us a layer against 397 us in bf16 (whose batched matmuls copied the strided rows first)
+    and 156 against 182 us in fp32 (R=32, 4 kv heads x 2, hd 64, L 90; 2 threads). Scores stay fp32
+    inside the kernel whatever the dtype, so it is the only choice below fp32."""
+    return F.scaled_dot_product_attention(qd, kd, vd, attn_mask=mask, scale=scale)
+
+
+def bmm_rows(qd: torch.Tensor, kd: torch.Tensor, vd: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+    """The same attention as `sdpa_rows` as two batched matmuls over the strided rows (viewed, not copied)
+    and one masked softmax. Why: on an AVX2 AMD EPYC (2 threads, fp32, same shapes) SDPA's CPU kernel
+    took 630-740 us a layer, these 270 us, which is the time to stream the rows from memory once."""
+    R, kv, g, hd = qd.shape
+    L = kd.shape[2]
+    s = torch.baddbmm(
+        mask.expand(R, kv, g, L).reshape(R * kv, g, L),
+        qd.reshape(R * kv, g, hd),
+        kd.flatten(0, 1).transpose(1, 2),
+        alpha=scale,
+    )
+    return torch.bmm(s.softmax(-1), vd.flatten(0, 1)).view(R, kv, g, hd)
+
+
+DecodeAttention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
+
+
+@functools.cache
+def pick_decode_attention(
+    dtype: torch.dtype, device: torch.device, n_kv: int, group: int, head_dim: int, rows: int = 32, cols: int = 96
+) -> DecodeAttention:
+    """The faster of `sdpa_rows` and `bmm_rows` on this machine, timed once on a decode step's shapes.
+
+    Which one wins depends on the CPU (see each one's docstring), so it is measured rather than
+    assumed: eight interleaved calls each, the best of the last six kept, ~10 ms in all. Only fp32 on a
+    CPU is measured; every other case takes SDPA (`sdpa_rows` says why). Both compute the same
+    attention; they differ in fp32 summation order only (~1e-6). Measured once per process and shapes
+    (cached), so every model a process loads computes the same way."""
+    if dtype != torch.float32 or device.type != "cpu":
+        return sdpa_rows
+    cap = cols + 32  # rows are views into a longer storage, as in the engine
+    k, v = (torch.randn(rows, n_kv, cap, head_dim)[:, :, :cols] for _ in range(2))
+    q = torch.randn(rows, n_kv, group, head_dim)
+    mask = decode_mask(torch.randint(cols // 2, cols + 1, (rows,)), cols, dtype)
+    best = {sdpa_rows: float("inf"), bmm_rows: float("inf")}
+    with torch.inference_mode():
+        for i in range(8):  # the first two rounds warm up (allocator, thread pool) and are not counted
+            for fn in best:
+                t0 = time.perf_counter()
+                fn(q, k, v, mask, head_dim**-0.5)
+                best[fn] = min(best[fn], time.perf_counter() - t0) if i >= 2 else best[fn]
+    return min(best, key=best.__getitem__)
 
 
 def decode_attention(m: NativeModel, li: int, q, k, v, b: Batch, dec: DecodeRows, mask, slots) -> torch.Tensor:

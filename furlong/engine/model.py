@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 from furlong.engine import compiled_step
 from furlong.engine.adapters import Adapters
-from furlong.engine.attention import decode_attention, decode_mask, prefill_attention, row_slots
+from furlong.engine.attention import decode_attention, decode_mask, pick_decode_attention, prefill_attention, row_slots
 from furlong.engine.decode_rows import DecodeRows
 from furlong.engine.moe import moe, pick_experts
 from furlong.engine.packed import Packed, Rows, placeholder
@@ -166,6 +166,7 @@ class NativeModel:
         self.k_pool = [torch.zeros(shape, dtype=dtype, device=device) for _ in self.layers]  # on the weights' device
         self.v_pool = [torch.zeros(shape, dtype=dtype, device=device) for _ in self.layers]
         self.is_moe = self.arch in MOE_ARCHS
+        self.attend_rows = pick_decode_attention(dtype, device, self.n_kv, self.n_heads // self.n_kv, self.head_dim)
         # oneDNN packing is a CPU kernel; on a GPU the forward multiplies by the HF weights themselves.
         self.linear, self._pack = pick_linear(dtype) if self.k_pool[0].is_cpu else (F.linear, lambda w: w)
         # Before the keys are built: quantised projections are held as codes + scales, never fused or packed.
