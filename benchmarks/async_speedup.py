@@ -24,6 +24,10 @@ The machine line (`_machine.header`) is printed first.
     python benchmarks/async_speedup.py [--steps 5] [--runs 3] [--warmup 2] [--threads 2] [--size m25]
         [--env-latency] [--shared] [--set KEY=VALUE ...] [--smoke]
 
+Each mode's breakdown adds the seconds per step its engines and trainer computed (their timeline
+spans), and the sync run gives the time-shared ceiling: sync step / (engine + trainer compute),
+the most any overlap can gain where the two take turns on the same cores.
+
 Last line: `SPEEDUP overlap_vs_sync=<x> async_vs_sync=<y>`.
 """
 
@@ -96,6 +100,10 @@ def main(argv: list[str] | None = None) -> int:
     print("\nper-step time, as the driver logs it (in overlap/async, generation also runs during train):")
     for name in res:
         print(breakdown(name, res[name]))
+    print(
+        f"time-shared ceiling: the sync step over its engine + trainer compute = {res['sync']['ceiling']:.2f}x "
+        "(no overlap of the two can beat it on cores they take turns on)"
+    )
     load = os.getloadavg()[0]
     print(
         f"\nload average {load:.1f} on {os.cpu_count()} cores"

@@ -120,7 +120,8 @@ def steady_state(rows: list[dict[str, Any]], warmup: int) -> dict[str, float]:
     # From the first timed step's start to the last one's end, by the driver's clock. Not the rows'
     # `time`: a row is written when its step's spans are in (in the background, during the next
     # step), so that lag differs between modes and once made fully async look 16% faster.
-    window = timed[-1]["time/started_unix"] + timed[-1]["time/step_s"] - timed[0]["time/started_unix"]
+    start = timed[0]["time/started_unix"]
+    window = timed[-1]["time/started_unix"] + timed[-1]["time/step_s"] - start
     samples = sum(r["rollout/samples"] for r in timed)
 
     def mean(key: str) -> float:
@@ -141,7 +142,32 @@ def steady_state(rows: list[dict[str, Any]], warmup: int) -> dict[str, float]:
         **parts,
         "other_s": step_s - sum(parts.values()),
         "response_len_mean": mean("rollout/response_len_mean"),
+        "window_start_unix": start,
     }
+
+
+def busy_per_step(run_dir: Path, start: float, window: float, steps: int) -> dict[str, float]:
+    """Seconds per timed step the engines and the trainer ranks computed, from the run's timeline: the union
+    of their work spans (`observe.balance`'s phases) inside the steady-state window, per kind.
+
+    Why: on cores the two take turns on, a step can take no less than engine work + trainer work. Measured in
+    a sync run, `ceiling` (sync step / that sum) is the most any overlap of the two can gain there; what the
+    rest of a sync step is (tool latency, a step's stragglers) is what async can hide."""
+    from furlong.observe.balance import ENGINE_WORK, TRAINER_WORK, _union
+    from furlong.observe.reader import RunReader
+
+    end = start + window
+    spans: dict[str, list[tuple[float, float]]] = {"engine": [], "trainer": []}
+    for lane in RunReader(run_dir).timeline(limit=1_000_000)["lanes"]:
+        kind = lane["worker"].split("/")[0]
+        work = {"engine": ENGINE_WORK, "trainer": TRAINER_WORK}.get(kind, ())
+        spans.get(kind, []).extend(
+            (max(sp["start"], start), min(sp["end"], end))
+            for sp in lane["spans"]
+            if sp["phase"] in work and sp["end"] > start and sp["start"] < end
+        )
+    busy = {f"{kind}_busy_s": _union(iv) / steps for kind, iv in spans.items()}
+    return {**busy, "ceiling": window / steps / max(1e-9, sum(busy.values()))}
 
 
 def run_furlong(work: Work, mode: str, run_dir: Path | None = None, extra: tuple[str, ...] = ()) -> dict[str, float]:
@@ -163,7 +189,9 @@ def run_furlong(work: Work, mode: str, run_dir: Path | None = None, extra: tuple
     # Groups generated again because their weights fell out of `max_staleness` (whole run, warm-up included):
     # wasted token work the samples/s figure hides, so it is reported beside it.
     stats = json.loads((run_dir / "result.json").read_text())["rollout_stats"]
-    return {**steady_state(rows, work.warmup), "stale_regenerations": stats["regenerated"].get("stale", 0)}
+    steady = steady_state(rows, work.warmup)
+    busy = busy_per_step(run_dir, steady["window_start_unix"], steady["window_s"], work.steps)
+    return {**steady, **busy, "stale_regenerations": stats["regenerated"].get("stale", 0)}
 
 
 def median_run(fn: Callable[[], dict[str, float]], runs: int) -> dict[str, float]:
@@ -185,4 +213,9 @@ def breakdown(name: str, r: dict[str, float]) -> str:
         f"  {name:<15} step {r['step_s']:6.2f} s = rollout wait {r['rollout_wait_s']:6.2f} + train {r['train_s']:6.2f}"
         f" + weight sync {r['weight_sync_s']:5.2f} + other {r['other_s']:5.2f}"
         f"; stale groups regenerated {r.get('stale_regenerations', 0):g}"
+        + (
+            f"\n  {'':<15} computing: engines {r['engine_busy_s']:6.2f} s, trainer {r['trainer_busy_s']:6.2f} s a step"
+            if "engine_busy_s" in r
+            else ""
+        )
     )

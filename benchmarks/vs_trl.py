@@ -37,6 +37,10 @@ compile falls in the warm-up steps).
 
     python benchmarks/vs_trl.py [--steps 5] [--runs 3] [--warmup 2] [--threads 2] [--bf16] [--set K=V] [--smoke]
 
+furlong's breakdown adds each mode's engine and trainer compute per step (their timeline spans),
+and a bound follows: no sync step is shorter than its trainer's compute, so the faster TRL step
+over that compute is the most furlong sync could reach against TRL with rollouts that took no time.
+
 Last line: `RATIO furlong_sync_vs_trl=<x> furlong_async_vs_trl=<y>`.
 """
 
@@ -215,6 +219,11 @@ def main(argv: list[str] | None = None) -> int:
     print("\nfurlong per-step time, as its driver logs it:")
     for name in ("furlong sync", "furlong async"):
         print(breakdown(name, res[name]))
+    sync = res["furlong sync"]
+    print(
+        f"a sync step is no shorter than its trainer's compute ({sync['trainer_busy_s']:.2f} s): furlong sync "
+        f"could reach {res[best]['step_s'] / sync['trainer_busy_s']:.2f}x {best} with rollouts that took no time"
+    )
     load = os.getloadavg()[0]
     print(
         f"\nload average {load:.1f} on {os.cpu_count()} cores"

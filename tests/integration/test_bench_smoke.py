@@ -66,6 +66,11 @@ def test_async_speedup_smoke() -> None:
     assert re.fullmatch(rf"SPEEDUP overlap_vs_sync={FLOAT} async_vs_sync={FLOAT}", lines[-1]), lines[-1]
     for mode in ("sync", "overlap", "async"):
         assert any(re.match(rf"{mode}\s+{FLOAT}\s+{FLOAT}\s+{FLOAT}x$", line) for line in lines), (mode, lines)
+    # each mode's engine and trainer compute, read from its timeline: both did work in the window
+    busy = [re.search(rf"computing: engines\s+{FLOAT} s, trainer\s+{FLOAT} s a step", line) for line in lines]
+    busy = [(float(m.group(1)), float(m.group(2))) for m in busy if m]
+    assert len(busy) == 3 and all(e > 0 and t > 0 for e, t in busy), lines
+    assert any(re.match(rf"time-shared ceiling: .* = {FLOAT}x", line) for line in lines), lines
 
 
 @pytest.mark.slow
