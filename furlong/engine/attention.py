@@ -109,9 +109,10 @@ def pick_decode_attention(
     if dtype != torch.float32 or device.type != "cpu":
         return sdpa_rows
     cap = cols + 32  # rows are views into a longer storage, as in the engine
-    k, v = (torch.randn(rows, n_kv, cap, head_dim)[:, :, :cols] for _ in range(2))
-    q = torch.randn(rows, n_kv, group, head_dim)
-    mask = decode_mask(torch.randint(cols // 2, cols + 1, (rows,)), cols, dtype)
+    gen = torch.Generator().manual_seed(0)  # its own: the process's random stream is not touched
+    k, v = (torch.randn(rows, n_kv, cap, head_dim, generator=gen)[:, :, :cols] for _ in range(2))
+    q = torch.randn(rows, n_kv, group, head_dim, generator=gen)
+    mask = decode_mask(torch.randint(cols // 2, cols + 1, (rows,), generator=gen), cols, dtype)
     best = {sdpa_rows: float("inf"), bmm_rows: float("inf")}
     with torch.inference_mode():
         for i in range(8):  # the first two rounds warm up (allocator, thread pool) and are not counted

@@ -37,9 +37,13 @@ def test_bmm_rows_equals_sdpa_rows_and_a_direct_computation():
 def test_the_pick_is_measured_only_for_fp32_on_a_cpu_and_cached():
     assert pick_decode_attention(torch.bfloat16, torch.device("cpu"), 2, 3, 16) is sdpa_rows
     assert pick_decode_attention(torch.float32, torch.device("cuda"), 2, 3, 16) is sdpa_rows  # no tensor is made
-    first = pick_decode_attention(torch.float32, torch.device("cpu"), 2, 3, 16)
+    torch.manual_seed(7)
+    expected = torch.rand(3)
+    torch.manual_seed(7)
+    first = pick_decode_attention(torch.float32, torch.device("cpu"), 2, 3, 16, rows=4, cols=10)
+    assert torch.equal(torch.rand(3), expected)  # the probe drew from its own generator, not the process's
     assert first in (sdpa_rows, bmm_rows)
-    assert pick_decode_attention(torch.float32, torch.device("cpu"), 2, 3, 16) is first
+    assert pick_decode_attention(torch.float32, torch.device("cpu"), 2, 3, 16, rows=4, cols=10) is first
 
 
 @pytest.mark.timeout(180)
