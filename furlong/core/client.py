@@ -35,6 +35,7 @@ from typing import Any
 
 import httpx
 
+from furlong.core.aio_transport import AiohttpTransport
 from furlong.core.api import (
     ABORT,
     CONTINUE,
@@ -151,8 +152,7 @@ class EngineClient(_Endpoint):
         self._http = httpx.AsyncClient(
             base_url=self.url,
             timeout=httpx.Timeout(timeout_s, connect=10.0),
-            limits=httpx.Limits(max_connections=max_inflight + 8, max_keepalive_connections=max_inflight + 8),
-            transport=transport,
+            transport=transport or AiohttpTransport(max_connections=max_inflight + 8),
         )
         self._slots = asyncio.Semaphore(max_inflight)
         self._open = asyncio.Event()

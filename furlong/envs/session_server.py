@@ -54,6 +54,7 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
+from furlong.core.aio_transport import AiohttpTransport
 from furlong.core.app_thread import AppThread
 from furlong.core.client import EngineError
 from furlong.core.sample import Sample
@@ -140,7 +141,9 @@ class SessionServer:
     def _client(self) -> httpx.AsyncClient:
         if self._http is None:
             self._http = httpx.AsyncClient(
-                base_url=self.engine_url, timeout=httpx.Timeout(self.timeout_s, connect=10.0), transport=self.transport
+                base_url=self.engine_url,
+                timeout=httpx.Timeout(self.timeout_s, connect=10.0),
+                transport=self.transport or AiohttpTransport(),
             )
         return self._http
 
