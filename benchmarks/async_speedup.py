@@ -7,7 +7,9 @@ seed, learning rate and core budget (`--threads`, given as `cluster.num_cpus`; t
 gives engine and trainer every core in sync mode, where they take turns, and splits them
 when they run at the same time). Overlap and async run with `max_staleness=1`. `--shared`
 adds a row of fully async with the cores time-shared instead (`cluster.share_cores=true`:
-every process takes a sync run's threads, the engines at lower priority), on the same work.
+every process takes a sync run's threads, the engines at lower priority), on the same work. `--lend`
+adds fully async with the cores split but lent (`cluster.lend_idle_cores=true`: the engines compute
+with every core while the trainer waits for a batch, with their share while it computes).
 
 What is timed: steady state only. After `--warmup` untimed steps, from the end of the last
 warm-up step to the end of the last of `--steps` timed steps, from the per-step wall clock in
@@ -22,7 +24,7 @@ by at most that much work; the default warm-up of 2 steps lets the buffer settle
 The machine line (`_machine.header`) is printed first.
 
     python benchmarks/async_speedup.py [--steps 5] [--runs 3] [--warmup 2] [--threads 2] [--size m25]
-        [--env-latency] [--shared] [--set KEY=VALUE ...] [--smoke]
+        [--env-latency] [--shared] [--lend] [--set KEY=VALUE ...] [--smoke]
 
 Each mode's breakdown adds the seconds per step its engines and trainer computed (their timeline
 spans), and the sync run gives the time-shared ceiling: sync step / (engine + trainer compute),
@@ -42,6 +44,7 @@ import _machine
 from rl_bench import MODES, Work, breakdown, median_run, run_furlong, shutdown_ray
 
 SHARED = ("cluster.share_cores=true",)  # time-shared cores: a sync run's threads each, engines at lower priority
+LENT = ("cluster.lend_idle_cores=true",)  # split cores, the trainer's lent to the engines while it waits
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -56,6 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--env-latency", action="store_true", help="episodes with 4 tool calls of 100-300 ms each")
     ap.add_argument("--shared", action="store_true", help="also fully async on time-shared cores (share_cores=true)")
+    ap.add_argument("--lend", action="store_true", help="also fully async on lent cores (lend_idle_cores=true)")
     ap.add_argument(
         "--set",
         action="append",
@@ -82,9 +86,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     res: dict[str, dict[str, float]] = {}
     given = tuple(args.set)
-    rows = [(mode, mode, given) for mode in MODES] + (
-        [("async_shared", "async", (*SHARED, *given))] if args.shared else []
-    )
+    rows = [(mode, mode, given) for mode in MODES]
+    rows += [("async_shared", "async", (*SHARED, *given))] if args.shared else []
+    rows += [("async_lent", "async", (*LENT, *given))] if args.lend else []
     try:
         for name, mode, extra in rows:
             runs = 1 if args.smoke else args.runs
@@ -109,10 +113,12 @@ def main(argv: list[str] | None = None) -> int:
         f"\nload average {load:.1f} on {os.cpu_count()} cores"
         + (" - other work shared the CPU; these figures understate every mode" if load > args.threads + 0.5 else "")
     )
-    shared = f" async_shared_vs_sync={res['async_shared']['samples_per_s'] / base:.2f}" if args.shared else ""
+    extra = "".join(
+        f" {n}_vs_sync={res[n]['samples_per_s'] / base:.2f}" for n in ("async_shared", "async_lent") if n in res
+    )
     print(
         f"SPEEDUP overlap_vs_sync={res['overlap']['samples_per_s'] / base:.2f} "
-        f"async_vs_sync={res['async']['samples_per_s'] / base:.2f}" + shared
+        f"async_vs_sync={res['async']['samples_per_s'] / base:.2f}" + extra
     )
     return 0
 

@@ -42,6 +42,7 @@ TOKENIZE = "/tokenize"
 DETOKENIZE = "/detokenize"
 LOAD_LORA = "/load_lora_adapter"
 UNLOAD_LORA = "/unload_lora_adapter"
+SET_THREADS = "/set_threads"  # furlong's own: the CPU threads an engine computes with (`cluster.lend_idle_cores`)
 # Endpoints that change what an engine serves: they require the run's admin token.
 CONTROL_PATHS = (
     ABORT,
@@ -56,6 +57,7 @@ CONTROL_PATHS = (
     WEIGHT_CHECKSUMS,
     LOAD_LORA,
     UNLOAD_LORA,
+    SET_THREADS,
 )
 
 # Adapter-only LoRA sync: adapter tensors travel through every weight transport under these names, beside
@@ -251,6 +253,10 @@ class AbortIn(Strict):
 
 class PauseIn(Strict):
     mode: PauseMode = "abort"
+
+
+class SetThreadsIn(Strict):
+    threads: int = Field(strict=True, ge=1, le=4096)
 
 
 class UpdateFromTensorIn(Strict):

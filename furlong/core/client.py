@@ -49,6 +49,7 @@ from furlong.core.api import (
     MODEL_INFO,
     PAUSE,
     PAUSE_MODES,
+    SET_THREADS,
     UPDATE_FROM_DISK,
     UPDATE_FROM_DISTRIBUTED,
     UPDATE_FROM_TENSOR,
@@ -252,6 +253,10 @@ class EngineClient(_Endpoint):
 
     async def resume(self) -> None:
         await self._post(CONTINUE, {})
+
+    async def set_threads(self, threads: int) -> int:
+        """POST /set_threads (furlong's engine only): compute with `threads` CPU threads; returns the count set."""
+        return (await self._post(SET_THREADS, {"threads": threads}))["threads"]
 
     async def health(self) -> None:
         """GET /health; raises EngineError (status None when unreachable or timed out)."""

@@ -200,14 +200,17 @@ def supervisor(
 
 
 def core_sharing(cfg: Config, top: Topology, admin_token: str) -> Any:
-    """The rollout engines' freeze around each train step, enabled where the cores are time-shared
-    (`cluster.share_cores` and the threads oversubscribe them; a colocated engine has no process of its own)."""
+    """What happens to the rollout engines around each train step: frozen where the cores are time-shared
+    (`cluster.share_cores` and the threads oversubscribe them), or their lent cores taken back
+    (`cluster.lend_idle_cores`, where an async run splits the cores). A colocated engine has no process of its own."""
     from furlong.cluster.core_sharing import EngineYield
-    from furlong.cluster.topology import time_shared
+    from furlong.cluster.topology import threads_per_process, time_shared
 
     shape, threads = _cores_shape(cfg)
     enabled = time_shared(*shape, threads) and not cfg.cluster.colocate
-    return EngineYield(lambda: list(top.engine_urls), admin_token, enabled)
+    idle = threads_per_process(*shape[:3], "sync")  # what the engines get when they take turns with the trainer
+    lend = cfg.cluster.lend_idle_cores and not cfg.cluster.colocate and not enabled and idle > threads
+    return EngineYield(lambda: list(top.engine_urls), admin_token, enabled, (threads, idle) if lend else None)
 
 
 def timeline(cfg: Config, store: Any, top: Topology, model: str) -> Any:

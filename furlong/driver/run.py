@@ -157,6 +157,7 @@ class Run:
         self.client = EngineClient(self.top.router_url, admin_token=self.token)
         self.supervisor = build.supervisor(cfg, self.top, self.token, self.run_dir, self.version, self.log.note)
         self.cores = build.core_sharing(cfg, self.top, self.token)
+        await self.cores.start()
         self.manager = build.rollout_manager(
             cfg,
             self.source,

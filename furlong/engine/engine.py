@@ -128,6 +128,7 @@ class Engine:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.paused: str | None = None
+        self.threads = torch.get_num_threads()  # what the steps compute with (`set_threads`)
         self.stats = {
             "requests_total": 0,
             "finished_total": 0,
@@ -200,6 +201,16 @@ class Engine:
 
     def resume(self) -> Future:
         return self.call(self._resume)
+
+    def set_threads(self, n: int) -> Future:
+        """Compute with `n` CPU threads from the next step on: set on the scheduler thread, whose ops they run."""
+
+        def apply() -> int:
+            torch.set_num_threads(n)
+            self.threads = torch.get_num_threads()  # read on this thread: the count its ops use
+            return self.threads
+
+        return self.call(apply)
 
     def flush_cache(self) -> Future:
         return self.call(self.pool.flush)

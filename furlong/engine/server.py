@@ -230,7 +230,12 @@ def add_info_routes(app: FastAPI, engine: Engine) -> None:
 
     app.get(P.MODEL_INFO)(model_info)
     app.get(P.SERVER_INFO)(
-        lambda: {**model_info(), "paused": engine.paused, "uptime_s": time.time() - app.state.started}
+        lambda: {
+            **model_info(),
+            "paused": engine.paused,
+            "threads": engine.threads,
+            "uptime_s": time.time() - app.state.started,
+        }
     )
     app.get(P.WEIGHT_VERSION)(lambda: {"weight_version": engine.weight_version})
 
@@ -258,7 +263,7 @@ def add_info_routes(app: FastAPI, engine: Engine) -> None:
 
 
 def add_control_routes(app: FastAPI, engine: Engine) -> None:
-    """Abort, pause, continue and flush: what changes what an engine is doing (admin token required)."""
+    """Abort, pause, continue, threads and flush: what changes what an engine is doing (admin token required)."""
 
     @app.post(P.ABORT)
     async def abort_request(request: HTTPRequest):
@@ -278,6 +283,13 @@ def add_control_routes(app: FastAPI, engine: Engine) -> None:
     async def continue_generation(request: HTTPRequest):
         await asyncio.wrap_future(engine.resume())
         return {"success": True}
+
+    @app.post(P.SET_THREADS)
+    async def set_threads(request: HTTPRequest):
+        body = P.parse(P.SetThreadsIn, await body_of(request))
+        if body.threads > (cpus := os.cpu_count() or 1):
+            raise P.BadRequest("threads", f"must be at most this machine's {cpus} CPUs, got {body.threads}")
+        return {"success": True, "threads": await asyncio.wrap_future(engine.set_threads(body.threads))}
 
     @app.api_route(P.FLUSH_CACHE, methods=["GET", "POST"])
     async def flush_cache():

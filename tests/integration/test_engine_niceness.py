@@ -50,3 +50,25 @@ def test_async_runs_time_share_the_cores_with_the_engines_at_lower_priority(monk
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     assert threads_per_process(two, 1, 1, "async") == 1 and engine_niceness(two, 1, 1, "async", 1) == 0
     assert engine_niceness(ClusterConfig(num_cpus=2, share_cores=True, engine_niceness=3), 1, 2, "overlap", 1) == 3
+
+
+def test_lent_cores_are_a_sync_runs_threads_taken_back_to_the_split_share(monkeypatch):
+    """`cluster.lend_idle_cores`: (threads while the trainer computes, while it waits), only where an async run
+    splits the cores; sync runs, explicit thread counts and colocated engines have nothing to lend."""
+    from types import SimpleNamespace
+
+    from furlong.config import load_config
+    from furlong.driver.build import core_sharing
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    top = SimpleNamespace(engine_urls=["http://127.0.0.1:1"])
+
+    def lend(*overrides: str):
+        cfg = load_config(None, ["cluster.num_cpus=2", "cluster.lend_idle_cores=true", *overrides])
+        return core_sharing(cfg, top, "t").lend
+
+    assert lend("rollout.mode=async") == (1, 2) and lend("rollout.mode=overlap") == (1, 2)
+    assert lend("rollout.mode=sync") is None  # the engines have every core already
+    assert lend("rollout.mode=async", "cluster.threads_per_process=1") is None
+    assert lend("rollout.mode=async", "cluster.colocate=true") is None
+    assert core_sharing(load_config(None, ["rollout.mode=async"]), top, "t").lend is None  # off by default

@@ -55,6 +55,7 @@ SAFE_CONTROL = [
     "/abort_request",
     "/pause_generation",
     "/continue_generation",
+    "/set_threads",
     "/flush_cache",
     "/update_weights_from_tensor",
     "/update_weights_from_disk",
@@ -219,6 +220,7 @@ def test_engine_control_endpoints_with_the_token_never_5xx(servers, path, data):
     valid = {
         "/pause_generation": {"mode": "retract"},
         "/abort_request": {"rid": "x"},
+        "/set_threads": {"threads": 1},
         "/update_weights_from_disk": {"model_path": "/nonexistent"},
         "/update_weights_from_tensor": {"shm": {"shm_name": "x", "tensors": []}},
     }.get(path)

@@ -4,11 +4,15 @@ A real engine process; `EngineYield.trainer_computing()` (furlong/cluster/core_s
 stand-in train step. While the engine is frozen a request in flight keeps its place (paused "in_place",
 no engine step is taken, a new request is queued, not refused); after it, both finish with every token.
 With the cores not time-shared the same block leaves the engine running.
+
+Lent cores (`cluster.lend_idle_cores`): the same block sets the engine's threads to its share and back
+to every core after, while it keeps decoding.
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
 import re
 import secrets
 
@@ -68,6 +72,47 @@ def test_engines_freeze_in_place_while_the_trainer_computes():
                     await sup.aclose()
 
         asyncio.run(main())
+
+
+async def threads(http: httpx.AsyncClient, url: str) -> int:
+    return (await http.get(url + "/get_server_info")).json()["threads"]
+
+
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="lending a core needs two")
+@pytest.mark.timeout(240)
+def test_lent_cores_go_back_to_the_trainer_while_it_computes():
+    token = secrets.token_hex(8)
+    with engine_process(token, "--max-context", "2048") as (url, _):  # started with one thread, as split
+
+        async def main():
+            lend = EngineYield(lambda: [url], token, enabled=False, lend=(1, 2))
+            body = {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 2000, "ignore_eos": True}}
+            auth = {"Authorization": f"Bearer {token}"}
+            async with httpx.AsyncClient(timeout=120) as http:
+                try:
+                    assert await threads(http, url) == 1
+                    await lend.start()
+                    assert await threads(http, url) == 2  # the trainer waits for its first batch: every core
+                    first = asyncio.create_task(http.post(url + "/generate", json=body))
+                    start = (await engine_state(http, url))[1]
+                    await until(lambda: _moved(http, url, start), "decoding")
+                    async with lend.trainer_computing():
+                        assert await threads(http, url) == 1
+                        paused, at = await engine_state(http, url)
+                        assert paused is None  # lent cores taken back, nothing frozen: it keeps decoding
+                        await until(lambda: _moved(http, url, at), "decoding while the trainer computes")
+                    assert await threads(http, url) == 2 and lend.yields == 1
+                    done = await first
+                    assert done.status_code == 200 and done.json()["meta_info"]["completion_tokens"] == 2000
+                    too_many = await http.post(url + "/set_threads", json={"threads": 100_000}, headers=auth)
+                    assert too_many.status_code == 400 and "threads" in too_many.text
+                    assert (await http.post(url + "/set_threads", json={"threads": 1})).status_code == 401
+                finally:
+                    await lend.aclose()
+
+        asyncio.run(main())
+    with pytest.raises(ValueError, match="not both"):
+        EngineYield(lambda: [], "t", enabled=True, lend=(1, 2))
 
 
 async def _moved(http: httpx.AsyncClient, url: str, start: int) -> bool:

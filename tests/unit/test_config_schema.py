@@ -137,6 +137,10 @@ def test_staleness_follows_mode_unless_set():
         ),
         ({"rollout": {"routing_replay": True}}, {"rollout.routing_replay", "model.arch"}),
         ({"rollout": {"max_turns": 3}}, {"rollout.max_turns"}),
+        (
+            {"cluster": {"lend_idle_cores": True, "share_cores": True}},
+            {"cluster.lend_idle_cores", "cluster.share_cores"},
+        ),
         ({"observe": {"dashboard": True, "event_store": False}}, {"observe.dashboard", "observe.event_store"}),
         ({"train": {"warmup_steps": 50, "total_steps": 10}}, {"train.warmup_steps", "train.total_steps"}),
         ({"data": {"task": None}}, {"data.path", "data.task"}),

@@ -120,8 +120,8 @@ def test_compiled_decode_step_follows_the_dynamic_forward_and_compiles_once(arch
     """`engine.compile`: the same lockstep with the static step compiled by `torch.compile` (dynamic shapes,
     attention up to each step's longest context). Inductor's fused loops reorder fp32 reductions, so
     log-probs agree to 1e-4, not bit for bit; greedy tokens agree. It compiles once, never again for a new
-    bucket, a longer context, grown rows or a weight update (the projections read the weights when the
-    step runs: `furlong::proj`)."""
+    bucket, a longer context, grown rows, a weight update (the projections read the weights when the
+    step runs: `furlong::proj`). A new thread count (`/set_threads`) compiles once more: Dynamo guards it."""
     from furlong.models import create_model
 
     path = create_model(arch, "tiny")
@@ -130,10 +130,16 @@ def test_compiled_decode_step_follows_the_dynamic_forward_and_compiles_once(arch
     runner = compiled.graphs
     assert runner.compiled is not None and runner.buckets == [1, 2, 4, 8] and runner.bucket(1) == 2
     update = {n: p * 1.01 for n, p in held_state_dict(eager.hf, eager.model).items() if "layers.0." in n}
-    at_update = []
-    reqs = lockstep(
-        {"eager": eager, "compiled": compiled}, update, on_update=lambda: at_update.append(runner.compiled.compiles)
-    )
+    at_update, threads = [], torch.get_num_threads()
+
+    def on_update():
+        at_update.append(runner.compiled.compiles)
+        torch.set_num_threads(1 if threads > 1 else 2)  # both engines step on this thread
+
+    try:
+        reqs = lockstep({"eager": eager, "compiled": compiled}, update, on_update=on_update)
+    finally:
+        torch.set_num_threads(threads)
     gap = 0.0
     for a, b in zip(reqs["eager"], reqs["compiled"]):
         assert a.output_ids == b.output_ids and len(a.output_ids) == a.params.max_new_tokens
@@ -141,7 +147,7 @@ def test_compiled_decode_step_follows_the_dynamic_forward_and_compiles_once(arch
     assert gap <= 1e-4, gap
     print(f"{arch}: largest log-prob gap compiled vs dynamic {gap:.3g}; {runner.compiled.compiles} compiles")
     assert {2, 4, 8} <= {B for B, n in runner.replays.items() if n}, runner.replays
-    assert runner.compiled.compiles == 1 == at_update[0]
+    assert at_update == [1] and runner.compiled.compiles == 2  # the thread count changed at the update
     assert runner.compiled.calls == sum(runner.replays.values()) and runner.compiled.compile_s > 0
 
 
