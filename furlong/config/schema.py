@@ -311,8 +311,7 @@ class ClusterConfig(Section):
     engine_niceness: int = Field(10, ge=0, le=19)
     # async modes with split cores: the engines compute with a sync run's threads (every core) while the trainer
     # waits for a batch, and with their split share while it computes (`/set_threads` around each train step).
-    # Pays where generation bounds the step (agent episodes waiting on tools); see docs/async.md#lent-cores.
-    lend_idle_cores: bool = False
+    lend_idle_cores: bool = False  # split cores; the trainer's lent to the engines while it waits (docs/async.md)
     no_engine_timeout_s: float = Field(300.0, gt=0)  # no engine (or router) serving this long: the run stops
     # Ray resources a trainer rank / engine must be placed on (a node's custom resource or `node:<ip>`); rank or
     # engine i takes the i-th name, cycling; empty = wherever Ray puts it. See docs/cluster.md.

@@ -70,6 +70,7 @@ class Run:
         self.step = 0
         self.saved_at = time.monotonic()  # the last checkpoint (or the start): `train.checkpoint_every_min` counts
         self.top = self.trainers = self.manager = self.supervisor = self.cores = self.dashboard = self.log = None
+        self.client = None  # the EngineClient to the router (made in _start)
 
     async def run(self) -> dict[str, Any]:
         t0 = time.perf_counter()
@@ -390,6 +391,9 @@ class Run:
                 await self.manager.close()
             except Exception:  # noqa: BLE001 - closing must go on to the topology
                 pass
+        if self.client is not None:
+            await self.client.aclose()
+            self.client = None
         if self.background is not None:
             await self.background.close()
             self.background = None
