@@ -222,7 +222,7 @@ class TrainConfig(Section):
     lr_schedule: Literal["constant", "cosine", "linear"] = "constant"  # after linear warm-up
     warmup_steps: int = Field(0, ge=0)  # optimiser steps
     total_steps: int = Field(100, ge=1)  # RL steps (one rollout batch each)
-    micro_batch_tokens: int = Field(512, ge=1)  # token budget of one padded micro-batch: rows x its longest sample
+    micro_batch_tokens: int = Field(2048, ge=1)  # token budget of one padded micro-batch: rows x its longest sample
     global_batch_size: int = Field(16, ge=1)  # samples per optimiser step
     num_steps_per_rollout: int = Field(1, ge=1)  # optimiser steps per rollout batch
     dtype: Literal["float32", "bfloat16"] = "float32"  # parameter dtype in training; unset -> model.dtype
