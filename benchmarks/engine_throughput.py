@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -35,6 +34,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _machine  # noqa: E402
+
+from furlong.core.net import free_port
 
 
 def make_prompts(tok, n: int) -> list[list[int]]:
@@ -125,12 +126,6 @@ def step_inline(eng, reqs) -> None:
     with torch.no_grad():
         while eng.running or eng.waiting:
             eng._step()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 120) -> None:

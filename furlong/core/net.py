@@ -1,12 +1,53 @@
-"""Network helpers every process needs: a free port on a host."""
+"""Network helpers every process needs: a free port on a host.
+
+Why not simply bind port 0 and hand the number on: the OS picks that port
+from its ephemeral range (`ip_local_port_range`), the range it also draws from
+for every outgoing connection of every process. Between the probe and the real
+bind (a child process starting, a gloo store forming) an outgoing connection
+can take the port and the bind fails with EADDRINUSE. A port outside the
+ephemeral range is never handed to `connect()`, so `free_port` draws there at
+random (not below 20000: Ray's worker ports are 10002-19999) and probes it.
+"""
 
 from __future__ import annotations
 
+import random
 import socket
+from pathlib import Path
+
+_RANGE_FILE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+_LOWEST = 20000
+_TRIES = 64
+
+
+def ephemeral_range() -> tuple[int, int]:
+    """The OS's ephemeral port range (Linux's setting; the IANA range where it cannot be read)."""
+    try:
+        lo, hi = (int(x) for x in _RANGE_FILE.read_text().split())
+        return lo, hi
+    except (OSError, ValueError):
+        return 49152, 65535
+
+
+def _bindable(host: str, port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+        return True
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A port the OS says is free on `host` now (another process may still take it before we bind)."""
-    with socket.socket() as s:
+    """A port free on `host` now, outside the ephemeral range so no outgoing connection takes it before we bind."""
+    lo, hi = ephemeral_range()
+    spans = [(a, b) for a, b in ((_LOWEST, lo - 1), (hi + 1, 65535)) if a <= b]
+    draw = random.SystemRandom()  # not the seeded module RNG: processes seeded alike would draw the same ports
+    for _ in range(_TRIES if spans else 0):
+        a, b = draw.choice(spans)
+        port = draw.randint(a, b)
+        if _bindable(host, port):
+            return port
+    with socket.socket() as s:  # every draw taken (or no room outside the range): the OS's choice
         s.bind((host, 0))
         return s.getsockname()[1]

@@ -14,6 +14,7 @@ import torch
 from openai import OpenAI
 from transformers import AutoModelForCausalLM
 
+from furlong.core.net import free_port
 from furlong.engine.engine import Engine
 from furlong.engine.server import ServerThread
 from furlong.models import create_model, load_tokenizer
@@ -227,11 +228,8 @@ def test_tool_call_parsed_from_output(tool_server):
 # ---------------------------------------------------------------- the CLI, as a real process
 def test_furlong_serve_cli_with_admin_token(tmp_path):
     path = create_model("llama", "tiny")
-    import socket
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     env = {**os.environ, "FURLONG_ADMIN_TOKEN": "s3cret", "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen(
         [sys.executable, "-m", "furlong.cli", "serve", "--model", str(path), "--port", str(port), "--kv-cache-mb", "2"],

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import socket
 import threading
 import time
 
@@ -11,6 +10,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from furlong.core.net import free_port
 from furlong.engine.engine import Engine
 from furlong.engine.request import Request
 from furlong.engine.sampler import SamplingParams
@@ -113,9 +113,7 @@ def test_update_from_distributed_group(world):
     url = world["url"]
     from furlong.weights.dist import broadcast, init_group
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     result: dict = {}
     t = threading.Thread(
         target=lambda: result.setdefault(
@@ -220,9 +218,7 @@ def test_router_fans_out_weights_checksum_behind_the_admin_token(world):
 
     from furlong.router.server import Router
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     server = uvicorn.Server(
         uvicorn.Config(Router([world["url"]], admin_token=TOKEN).app, host="127.0.0.1", port=port, log_level="warning")
     )

@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -26,6 +25,7 @@ import torch
 from openai import OpenAI
 
 from furlong.core.client import EngineClient
+from furlong.core.net import free_port
 from furlong.core.sample import Sample, Source, Status
 from furlong.data import CALCULATOR_TOOL
 from furlong.data.chat import encode_prompt
@@ -37,12 +37,6 @@ from tests.helpers import engine_process
 
 TOKEN = "envs-test-token"
 QUESTION = {"role": "user", "content": "Use the calculator to compute 12 * 34."}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_healthy(url: str, proc: subprocess.Popen, what: str) -> None:

@@ -13,7 +13,6 @@ from __future__ import annotations
 import importlib.util
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -21,6 +20,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
+
+from furlong.core.net import free_port
 
 # slow: two engine processes start (~13 s each on a loaded 2-core machine) and one restarts
 pytestmark = [
@@ -34,12 +35,6 @@ pytestmark = [
 TOKEN = "router-test-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 120) -> None:

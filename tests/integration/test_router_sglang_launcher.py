@@ -9,7 +9,6 @@ the health wait, the error it reports when the server dies, registration with th
 from __future__ import annotations
 
 import json
-import socket
 import stat
 import textwrap
 import uuid
@@ -19,6 +18,7 @@ import httpx
 import pytest
 import yaml
 
+from furlong.core.net import free_port
 from furlong.engine.sglang import SGLangConfig, launch
 from furlong.router import serve_in_thread
 from tests.helpers import cmdlines_with
@@ -46,12 +46,6 @@ FAKE_LAUNCH_SERVER = textwrap.dedent("""
 
     HTTPServer((args.host, args.port), H).serve_forever()
 """)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture

@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import json
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -197,12 +196,6 @@ def make_engine(name: str, admin_token: str | None = None) -> Starlette:
     return Starlette(routes=routes)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class ThreadServer:
     """A stand-in engine served by uvicorn in a thread of the test process."""
 
@@ -270,7 +263,8 @@ def states(router_url: str) -> dict[str, str]:
 
 # ------------------------------------------------------------------------------ fixtures
 
-from furlong.router import serve_in_thread  # noqa: E402  (the stand-in above must not need furlong)
+from furlong.core.net import free_port  # noqa: E402  (the stand-in above must not need furlong)
+from furlong.router import serve_in_thread  # noqa: E402
 
 
 @pytest.fixture(scope="module")

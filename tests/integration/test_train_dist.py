@@ -8,13 +8,14 @@ nothing is shared but the files they write.
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+
+from furlong.core.net import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -111,14 +112,8 @@ def _worker(mode: str, out: str, rank: int, world: int, extra: str) -> None:
     )
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _run(mode: str, out: Path, rank: int = 0, world: int = 1, extra: str = "", port: int = 0) -> subprocess.Popen:
-    env = dict(os.environ, OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port or _free_port()))
+    env = dict(os.environ, OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port or free_port()))
     cmd = [sys.executable, __file__, mode, str(out), str(rank), str(world), extra]
     return subprocess.Popen(cmd, cwd=ROOT, env=env)
 
@@ -130,7 +125,7 @@ def _wait(*procs: subprocess.Popen) -> None:
 
 @pytest.mark.timeout(540)
 def test_world_size_two_equals_one(tmp_path: Path) -> None:
-    port = _free_port()
+    port = free_port()
     ranks = [_run("ws", tmp_path / "ws2.pt", r, 2, port=port) for r in range(2)]
     _wait(*ranks)
     _wait(_run("ws", tmp_path / "ws1.pt"))

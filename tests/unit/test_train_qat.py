@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import copy
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -19,6 +18,7 @@ import torch
 from torch import nn
 
 from furlong.config.schema import AlgoConfig, LoraConfig, TrainConfig
+from furlong.core.net import free_port
 from furlong.core.sample import Sample
 from furlong.models import create_model
 from furlong.train import dist
@@ -193,9 +193,7 @@ def _run(out: Path, rank: int, world: int, port: int) -> subprocess.Popen:
 @pytest.mark.slow
 @pytest.mark.timeout(280)
 def test_world_size_two_trains_and_syncs_like_one(tmp_path):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     procs = [_run(tmp_path / "ws2.pt", r, 2, port) for r in range(2)]
     _worker(str(tmp_path / "ws1.pt"), 0, 1)  # world size 1 needs no process group: in this process
     for p in procs:

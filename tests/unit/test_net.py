@@ -1,0 +1,57 @@
+"""free_port: a port outside the ephemeral range, so no outgoing connection takes it before the real bind.
+
+The suite once failed with EADDRINUSE when a gloo store bound a port probed
+from the ephemeral range; these tests pin the rule that prevents it.
+"""
+
+from __future__ import annotations
+
+import random
+import socket
+
+from furlong.core import net
+
+
+def test_ports_are_free_and_outside_the_ephemeral_range():
+    lo, hi = net.ephemeral_range()
+    ports = {net.free_port() for _ in range(50)}
+    for port in ports:
+        assert not lo <= port <= hi, port
+        assert port >= 20000  # Ray's worker ports are 10002-19999
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", port))  # still free: nothing holds it
+
+
+def test_a_port_in_use_is_never_returned(monkeypatch):
+    held = socket.socket()
+    held.bind(("127.0.0.1", 0))
+    port = held.getsockname()[1]
+    monkeypatch.setattr(net, "_LOWEST", port)
+    monkeypatch.setattr(net, "ephemeral_range", lambda: (port + 1, 65535))  # the only port outside it is held
+    try:
+        assert port not in {net.free_port() for _ in range(5)}  # every draw refused: the OS's choice instead
+    finally:
+        held.close()
+
+
+def test_no_room_outside_the_range_falls_back_to_the_os(monkeypatch):
+    monkeypatch.setattr(net, "ephemeral_range", lambda: (1024, 65535))
+    port = net.free_port()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", port))
+
+
+def test_processes_seeded_alike_do_not_draw_alike():
+    random.seed(0)
+    first = [net.free_port() for _ in range(5)]
+    random.seed(0)
+    assert [net.free_port() for _ in range(5)] != first
+
+
+def test_the_range_is_read_from_the_os(monkeypatch, tmp_path):
+    f = tmp_path / "range"
+    f.write_text("40000\t50000\n")
+    monkeypatch.setattr(net, "_RANGE_FILE", f)
+    assert net.ephemeral_range() == (40000, 50000)
+    f.write_text("garbage")
+    assert net.ephemeral_range() == (49152, 65535)
