@@ -61,6 +61,7 @@ import httpx
 
 from furlong.cluster.trainer_group import TrainerDied
 from furlong.core.client import EngineClient
+from furlong.core.net import tls_context
 from furlong.core.version import WeightVersion
 
 if TYPE_CHECKING:
@@ -129,7 +130,7 @@ class EngineSupervisor:
         self._lock = asyncio.Lock()
         self._task: asyncio.Task | None = None
         self._recoveries: set[asyncio.Task] = set()
-        self._http = httpx.AsyncClient(timeout=self.timeout)
+        self._http = httpx.AsyncClient(timeout=self.timeout, verify=tls_context())
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:

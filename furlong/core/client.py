@@ -56,6 +56,7 @@ from furlong.core.api import (
     WEIGHT_CHECKSUMS,
     WEIGHT_VERSION,
 )
+from furlong.core.net import tls_context
 
 RETRY_STATUS = {502, 503, 504}
 GROUP_NAME = "weight_update_group"
@@ -154,6 +155,7 @@ class EngineClient(_Endpoint):
             base_url=self.url,
             timeout=httpx.Timeout(timeout_s, connect=10.0),
             transport=transport or AiohttpTransport(max_connections=max_inflight + 8),
+            verify=tls_context(),
         )
         self._slots = asyncio.Semaphore(max_inflight)
         self._open = asyncio.Event()
@@ -312,7 +314,7 @@ class EngineControl(_Endpoint):
         transport: httpx.BaseTransport | None = None,
     ):
         super().__init__(url, admin_token)
-        self._http = httpx.Client(base_url=self.url, timeout=timeout_s, transport=transport)
+        self._http = httpx.Client(base_url=self.url, timeout=timeout_s, transport=transport, verify=tls_context())
 
     def _call(self, method: str, path: str, body: dict[str, Any] | None = None) -> Any:
         try:

@@ -21,6 +21,8 @@ from typing import Any
 
 import httpx
 
+from furlong.core.net import tls_context
+
 ADMIN_TOKEN_ENV = "FURLONG_ADMIN_TOKEN"  # how a server furlong starts gets the run's admin token
 
 
@@ -145,15 +147,16 @@ class ManagedProcess:
 
     def wait_healthy(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if not self.alive():
-                raise ProcessFailed(f"{self.name} exited with code {self.proc.returncode}:\n{self.log_tail()}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2.0).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.1)
+        with httpx.Client(timeout=2.0, verify=tls_context()) as http:
+            while time.monotonic() < deadline:
+                if not self.alive():
+                    raise ProcessFailed(f"{self.name} exited with code {self.proc.returncode}:\n{self.log_tail()}")
+                try:
+                    if http.get(f"{self.url}/health").status_code == 200:
+                        return
+                except httpx.HTTPError:
+                    pass
+                time.sleep(0.1)
         self.stop()
         raise ProcessFailed(f"{self.name} not healthy after {timeout_s:.0f}s:\n{self.log_tail()}")
 

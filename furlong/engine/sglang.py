@@ -53,6 +53,7 @@ from pathlib import Path
 
 import httpx
 
+from furlong.core.net import tls_context
 from furlong.core.processes import Command, ManagedProcess, ProcessFailed, token_env
 
 DTYPES = ("auto", "half", "float16", "bfloat16", "float", "float32")
@@ -234,7 +235,13 @@ class SGLangServer(ManagedProcess):
 def register(router_url: str, engine_url: str, admin_token: str | None = None) -> dict:
     """Add ``engine_url`` to a furlong router; RuntimeError with the router's message on failure."""
     headers = {"Authorization": f"Bearer {admin_token}"} if admin_token else {}
-    r = httpx.post(router_url.rstrip("/") + "/add_engine", json={"url": engine_url}, headers=headers, timeout=30)
+    r = httpx.post(
+        router_url.rstrip("/") + "/add_engine",
+        json={"url": engine_url},
+        headers=headers,
+        timeout=30,
+        verify=tls_context(),
+    )
     if r.status_code != 200:
         raise RuntimeError(f"router {router_url} refused {engine_url}: {r.status_code} {r.text}")
     return r.json()

@@ -43,6 +43,7 @@ from typing import TYPE_CHECKING, Any
 
 import httpx
 
+from furlong.core.net import tls_context
 from furlong.core.sample import Sample, Status
 from furlong.envs.session_server import ServerThread, SessionServer
 from furlong.rollout.generate import RolloutContext, reset_response
@@ -128,7 +129,9 @@ async def generate(ctx: RolloutContext, sample: Sample, sampling_params: dict[st
         "max_new_tokens": int(sampling_params["max_new_tokens"]),
         "metadata": {k: sample.metadata[k] for k in ("prompt_index", "sample_index", "seq") if k in sample.metadata},
     }
-    async with httpx.AsyncClient(base_url=server.url, timeout=httpx.Timeout(None, connect=10.0)) as http:
+    async with httpx.AsyncClient(
+        base_url=server.url, timeout=httpx.Timeout(None, connect=10.0), verify=tls_context()
+    ) as http:
         resp = await http.post("/sessions", json=body)
         resp.raise_for_status()
         sid = resp.json()["id"]
@@ -196,7 +199,9 @@ async def tool_agent(sample: Sample, base_url: str) -> None:
     tools = sample.metadata.get("tools") or None
     names = [t.get("function", t).get("name") for t in tools or []]
     fns = {n: import_path(TOOLS[n], "envs.tools") for n in names if n in TOOLS}
-    async with httpx.AsyncClient(base_url=base_url.rstrip("/"), timeout=httpx.Timeout(None, connect=10.0)) as http:
+    async with httpx.AsyncClient(
+        base_url=base_url.rstrip("/"), timeout=httpx.Timeout(None, connect=10.0), verify=tls_context()
+    ) as http:
         for _turn in range(int(sample.metadata.get("max_turns", 3))):
             resp = await http.post("/chat/completions", json={"model": "furlong", "messages": messages, "tools": tools})
             resp.raise_for_status()

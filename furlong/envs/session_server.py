@@ -57,6 +57,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from furlong.core.aio_transport import AiohttpTransport
 from furlong.core.app_thread import AppThread
 from furlong.core.client import EngineError
+from furlong.core.net import tls_context
 from furlong.core.sample import Sample
 from furlong.core.tool_calls import detect_tool_format, parse_tool_calls
 from furlong.data.chat import encode_prompt
@@ -144,6 +145,7 @@ class SessionServer:
                 base_url=self.engine_url,
                 timeout=httpx.Timeout(self.timeout_s, connect=10.0),
                 transport=self.transport or AiohttpTransport(),
+                verify=tls_context(),
             )
         return self._http
 

@@ -29,6 +29,7 @@ from typing import Any
 import httpx
 
 from furlong.core import spans as core_spans
+from furlong.core.net import tls_context
 from furlong.models.flops import model_flops, peak_flops
 from furlong.observe import utilisation
 
@@ -110,7 +111,7 @@ class SpanPuller:
         if self.router_url:
             urls.append(self.router_url)
         names = [f"engine/{i}" for i in range(len(urls) - bool(self.router_url))] + ["router"] * bool(self.router_url)
-        async with httpx.AsyncClient(timeout=self.timeout_s) as client:
+        async with httpx.AsyncClient(timeout=self.timeout_s, verify=tls_context()) as client:
             answers = await asyncio.gather(*(self._http(client, n, u) for n, u in zip(names, urls)))
         reads += [(n, a) for n, a in zip(names, answers) if a is not None]
         if self.trainers is not None:

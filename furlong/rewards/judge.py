@@ -15,6 +15,8 @@ from typing import Any
 
 import httpx
 
+from furlong.core.net import tls_context
+
 PROMPT = (
     "You grade answers. Question:\n{question}\n\nReference answer:\n{reference}\n\n"
     "Response to grade:\n{response}\n\nIs the response's final answer correct? Reply with yes or no."
@@ -40,7 +42,7 @@ async def judge(question: str, reference: str, response: str, *, url: str | None
     }
     if os.environ.get("FURLONG_JUDGE_MODEL"):
         body["model"] = os.environ["FURLONG_JUDGE_MODEL"]
-    async with httpx.AsyncClient(timeout=TIMEOUT_S) as http:
+    async with httpx.AsyncClient(timeout=TIMEOUT_S, verify=tls_context()) as http:
         r = await http.post(f"{url or judge_url()}/v1/chat/completions", json=body)
         r.raise_for_status()
         return str(r.json()["choices"][0]["message"]["content"] or "")

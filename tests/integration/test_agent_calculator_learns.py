@@ -3,7 +3,7 @@
 The real command in a subprocess: warm-up conversations written by `furlong envs demos`,
 `furlong train` with the recipe (SFT on half-careless demonstrations, then GRPO where every
 sample is an OpenAI-API agent's episode on its own session), with 40 SFT steps instead of 150
-and 8 GRPO steps instead of 40 (3.5 minutes alone on a quiet 2-core machine at one thread per
+and 8 GRPO steps instead of 40 (2.8 minutes alone on a quiet 2-core machine at one thread per
 process). After so short a warm-up the model cannot yet copy reliably, so what rises within 8
 steps is the habit the recipe teaches first: calling the tool (sync mode, seeded: the same run
 every time at a given thread count; share of episodes calling it, steps 1-8 at one thread:

@@ -55,3 +55,43 @@ def test_the_range_is_read_from_the_os(monkeypatch, tmp_path):
     assert net.ephemeral_range() == (40000, 50000)
     f.write_text("garbage")
     assert net.ephemeral_range() == (49152, 65535)
+
+
+# ------------------------------------------------------------------ one TLS context per process
+CALLS = {"Client", "AsyncClient", "get", "post", "put", "patch", "delete", "head", "request", "stream"}
+
+
+def test_every_httpx_client_furlong_makes_is_handed_the_shared_tls_context():
+    """httpx loads the CA bundle (~45 ms of CPU) for each client not given a context: an agent episode
+    that opened two spent more of the driver's CPU on that than on anything else."""
+    import ast
+    from pathlib import Path
+
+    root = Path(net.__file__).resolve().parents[1]
+    missing = []
+    for path in sorted(root.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            f = node.func if isinstance(node, ast.Call) else None
+            if isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) and f.value.id == "httpx":
+                if f.attr in CALLS and not any(k.arg == "verify" for k in node.keywords):
+                    missing.append(f"{path.relative_to(root.parent)}:{node.lineno} httpx.{f.attr}")
+    assert not missing, "pass verify=tls_context() (furlong/core/net.py):\n" + "\n".join(missing)
+
+
+def test_clients_share_one_context_built_once(monkeypatch):
+    import ssl
+
+    from furlong.core.client import EngineClient, EngineControl
+
+    built = []
+    real = ssl.create_default_context
+    monkeypatch.setattr(ssl, "create_default_context", lambda *a, **k: built.append(1) or real(*a, **k))
+    net.tls_context.cache_clear()
+    try:
+        for _ in range(5):
+            EngineControl("http://127.0.0.1:1")
+            EngineClient("http://127.0.0.1:1")
+        assert len(built) == 1
+        assert net.tls_context() is net.tls_context()
+    finally:
+        net.tls_context.cache_clear()

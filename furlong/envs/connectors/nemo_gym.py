@@ -48,6 +48,7 @@ from typing import Any
 
 import httpx
 
+from furlong.core.net import tls_context
 from furlong.envs.connectors.venvs import DRIVERS, VenvSpec, driver_env, ensure, run_driver
 from furlong.envs.session_server import SESSION_METADATA
 
@@ -143,7 +144,7 @@ class Servers:
                 start_new_session=True,
             )
         self.process.wait_healthy(opts.startup_timeout_s)
-        self.servers = httpx.get(f"{self.process.url}/health", timeout=10).json()["servers"]
+        self.servers = httpx.get(f"{self.process.url}/health", timeout=10, verify=tls_context()).json()["servers"]
         self.config_paths = list(opts.config_paths)
 
     def agent(self, name: str | None) -> dict[str, Any]:
@@ -236,7 +237,7 @@ async def run_episode(row: dict[str, Any], base_url: str, envs: Any = None) -> d
     for key in ROW_SAMPLING:  # the rollout's sampling settings (the session's defaults) govern, not the row's
         params.pop(key, None)
     params["metadata"] = {**(params.get("metadata") or {}), SESSION_METADATA: m["sid"]}
-    async with httpx.AsyncClient(timeout=httpx.Timeout(opts.timeout_s, connect=10.0)) as http:
+    async with httpx.AsyncClient(timeout=httpx.Timeout(opts.timeout_s, connect=10.0), verify=tls_context()) as http:
         resp = await http.post(f"{agent_server['url']}/run", json=body)
     if resp.status_code != 200:
         raise RuntimeError(
