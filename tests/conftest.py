@@ -14,6 +14,26 @@ import pytest
 
 from tests.fixtures.real_run import real_run_dir  # noqa: F401 - one shared real 2x2 run (session)
 
+
+def _share_tls_context() -> None:
+    """In this process, httpx clients made without a TLS context (the tests' `httpx.get` health polls, the
+    OpenAI SDK's client) get furlong's shared one: httpx would load the CA bundle for each (~45 ms of CPU),
+    and a poll every 50 ms then takes most of a core from the server it waits for. furlong's own code passes
+    the context itself (tests/unit/test_net.py checks every call and undoes this patch to count builds)."""
+    import httpx._transports.default as transports
+
+    from furlong.core.net import tls_context
+
+    build = transports.create_ssl_context
+
+    def shared(verify=True, cert=None, trust_env=True):
+        return tls_context() if verify is True and cert is None else build(verify, cert, trust_env)
+
+    transports.create_ssl_context = shared
+
+
+_share_tls_context()
+
 try:  # the run-tests.sh scheduler: `--dist loadfile` that does not hang after a crashed worker
     from tests.xdist_scheduling import pytest_xdist_make_scheduler  # noqa: F401
 except ImportError:  # pytest-xdist not installed: serial runs need no scheduler

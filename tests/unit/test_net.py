@@ -81,8 +81,12 @@ def test_every_httpx_client_furlong_makes_is_handed_the_shared_tls_context():
 def test_clients_share_one_context_built_once(monkeypatch):
     import ssl
 
+    import httpx._config
+    import httpx._transports.default
+
     from furlong.core.client import EngineClient, EngineControl
 
+    monkeypatch.setattr(httpx._transports.default, "create_ssl_context", httpx._config.create_ssl_context)  # conftest's
     built = []
     real = ssl.create_default_context
     monkeypatch.setattr(ssl, "create_default_context", lambda *a, **k: built.append(1) or real(*a, **k))
