@@ -1,10 +1,9 @@
 """The engine supervisor: a dead or hung engine is replaced while the run goes on.
 
-`EngineSupervisor` is an asyncio task in the driver. Every
-`router.health_interval_s` each serving engine is probed twice over: its
-`ProcessActor.alive()` (did the process exit?) and `GET /health` with a
-`router.health_timeout_s` timeout (is it answering? a SIGSTOPped engine is alive
-but silent). An exited process is replaced at once; a silent one after
+`EngineSupervisor` is an asyncio task in the driver. Every `router.health_interval_s`
+each serving engine is probed twice over: its `ProcessActor.alive()` (did the process exit?)
+and `GET /health` with a `router.health_timeout_s` timeout (is it answering? a SIGSTOPped
+engine is alive but silent). An exited process is replaced at once; a silent one after
 `router.unhealthy_after` failed probes in a row. Replacing is:
 
     POST router /remove_engine        the router must not re-admit it on health alone
