@@ -25,7 +25,12 @@ samples/s = samples trained in the window / window seconds. Each system runs `--
 
 TRL runs twice, with plain `generate` ("TRL GRPOTrainer") and with its transformers
 continuous-batching generation ("TRL GRPOTrainer CB"); each ratio is against the faster of
-the two. The machine line (`_machine.header`) is printed first.
+the two. CB's paged cache is sized to the step's sequences (`cb_config`): at its defaults it
+takes half of the *host's* RAM on a CPU (12 GB on a 24 GB machine) and every step's attention
+masks span the whole cache, which made it 2.2x slower on this work (2.29 vs 4.98 samples/s, one
+step each, the AVX2 EPYC of round 11). Its generation drops `min_new_tokens` (a logits processor
+it does not support), so its responses may end early: the table's `resp len` column shows it.
+The machine line (`_machine.header`) is printed first.
 
 `--bf16`: every system in bf16 where it computes — TRL `bf16=True` (autocast), furlong
 `train.mixed_precision=bf16` (autocast on its one rank), `engine.dtype=bfloat16` and
@@ -60,6 +65,17 @@ from rl_bench import Work, breakdown, median_run, run_furlong, shutdown_ray
 BF16 = ("train.mixed_precision=bf16", "engine.dtype=bfloat16", "train.micro_batch_tokens=4096")  # furlong, --bf16
 
 
+def cb_config(work: Work, prompt_tokens: int, page: int = 256) -> dict[str, int]:
+    """TRL CB's paged cache for one step: every sequence of the step (its longest prompt plus the response)
+    in whole pages of transformers' default size, and the whole step's prefill in one batch."""
+    n = work.samples_per_step
+    return {
+        "page_size": page,
+        "num_blocks": n * -(-(prompt_tokens + work.new_tokens) // page),
+        "max_batch_tokens": n * prompt_tokens,
+    }
+
+
 def run_trl(work: Work, continuous: bool = False, bf16: bool = False) -> dict[str, float]:
     """TRL 1.16 `GRPOTrainer` on `work`, CPU fp32: transformers `generate` (no vLLM), or with `continuous`
     its transformers continuous-batching generation (`use_transformers_continuous_batching`)."""
@@ -92,6 +108,10 @@ def run_trl(work: Work, continuous: bool = False, bf16: bool = False) -> dict[st
                 self.lengths.append(float(logs["completions/mean_length"]))
 
     path = create_model("qwen3", work.size)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    longest = max(
+        len(tokenizer.apply_chat_template(p.prompt, add_generation_prompt=True)["input_ids"]) for p in prompts
+    )
     clock = StepClock()
     with tempfile.TemporaryDirectory(prefix="trl-bench-") as out:
         args = GRPOConfig(
@@ -119,13 +139,14 @@ def run_trl(work: Work, continuous: bool = False, bf16: bool = False) -> dict[st
             max_steps=work.warmup + work.steps,
             dataloader_num_workers=0,
             use_transformers_continuous_batching=continuous,
+            transformers_continuous_batching_config=cb_config(work, longest) if continuous else None,
         )
         trainer = GRPOTrainer(
             model=AutoModelForCausalLM.from_pretrained(path),
             reward_funcs=reward,
             args=args,
             train_dataset=data,
-            processing_class=AutoTokenizer.from_pretrained(path),
+            processing_class=tokenizer,
             callbacks=[clock],
         )
         trainer.train()

@@ -64,7 +64,9 @@ SFT_BATCH = ["train.global_batch_size=16", "rollout.rollout_batch_size=16", "rol
 # Checks that the margins can fail: with FURLONG_TEST_RECIPES_LR=1e-9 no run learns and every RL test fails (it
 # also wins over a recipe's own learning rate below).
 LR = os.environ.get("FURLONG_TEST_RECIPES_LR")
+SEED = os.environ.get("FURLONG_TEST_RECIPES_SEED")  # another seed for every run here (the margins' measurement)
 SHORT = [
+    *([f"seed={SEED}"] if SEED else []),
     "model.size=tiny",
     "observe.tensorboard=false",
     "train.sft_steps=0",
