@@ -28,7 +28,7 @@ continuous-batching generation ("TRL GRPOTrainer CB"); each ratio is against the
 the two. CB's paged cache is sized to the step's sequences (`cb_config`): at its defaults it
 takes half of the *host's* RAM on a CPU (12 GB on a 24 GB machine) and every step's attention
 masks span the whole cache, which made it 2.2x slower on this work (2.29 vs 4.98 samples/s, one
-step each, the AVX2 EPYC of round 11). Its generation drops `min_new_tokens` (a logits processor
+step each, on the AVX2 EPYC of the round-12 rows). Its generation drops `min_new_tokens` (a logits processor
 it does not support), so its responses may end early: the table's `resp len` column shows it.
 The machine line (`_machine.header`) is printed first.
 

@@ -108,7 +108,7 @@ def _metrics(run_dir: str) -> list[dict[str, float]]:
 
 
 def assert_learned(result: dict[str, Any], name: str) -> None:
-    """The held-out greedy evaluation after RL beats the one before by `EVAL_MARGIN` (see the module docstring)."""
+    """The held-out evaluation after RL beats the one before by `EVAL_MARGIN` (see the module docstring)."""
     before, after = result["before"]["eval/mean_reward"], result["after"]["eval/mean_reward"]
     assert after - before >= EVAL_MARGIN, f"{name}: held-out eval reward {before:.3f} -> {after:.3f} (< {EVAL_MARGIN})"
 
