@@ -25,7 +25,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 8
 TOOL_MARGIN = 0.1  # share of episodes calling the tool, last 3 steps over the first 3
-REWARD_MARGIN = 0.01  # training reward, the same windows
+REWARD_MARGIN = 0.03  # training reward, the same windows
+LR = os.environ.get("FURLONG_TEST_AGENT_LR")  # the GRPO rate (1e-9: no learning, and the margins must fail)
 
 
 def _furlong(*args: str, timeout: int) -> subprocess.CompletedProcess:
@@ -55,6 +56,7 @@ def test_short_agent_calculator_run_learns_to_call_the_tool(tmp_path):
         "data.n_eval=8",
         "rollout.eval_every=0",
         f"run_dir={run_dir}",
+        *([f"train.lr={LR}"] if LR else []),
         timeout=900,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -65,7 +67,8 @@ def test_short_agent_calculator_run_learns_to_call_the_tool(tmp_path):
     reward = [r["rollout/reward_mean"] for r in steps]
     used = [r["rollout/reward/used_tool"] for r in steps]
     # Margins on the mean of the last 3 steps over the first 3 (recorded gains at one thread: tool use +0.25,
-    # reward +0.051; at two threads +0.26 and +0.052): a run that does not learn stays near 0 and fails them.
+    # reward +0.051; at two threads +0.26 and +0.052). A run that does not learn fails both: at
+    # FURLONG_TEST_AGENT_LR=1e-9 the same windows gave tool use +0.042 and reward +0.008.
     first, last = slice(0, 3), slice(-3, None)
     gain = lambda xs: sum(xs[last]) / 3 - sum(xs[first]) / 3
     assert gain(used) >= TOOL_MARGIN, f"tool use rose {gain(used):.3f} < {TOOL_MARGIN}: {used}"
