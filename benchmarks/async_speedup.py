@@ -10,12 +10,15 @@ adds a row of fully async with the cores time-shared instead (`cluster.share_cor
 every process takes a sync run's threads, the engines at lower priority), on the same work. `--lend`
 adds fully async with the cores split but lent (`cluster.lend_idle_cores=true`: the engines compute
 with every core while the trainer waits for a batch, with their share while it computes).
+`--in-place` adds time-shared async whose weight syncs keep the requests in flight and their KV
+cache (`engine.pause_mode=in_place`; the default, `retract`, recomputes them on the new weights).
 
 What is timed: steady state only. After `--warmup` untimed steps, from the end of the last
 warm-up step to the end of the last of `--steps` timed steps, from the per-step wall clock in
 each run's `metrics.jsonl` (rollout + train + weight sync + logging); Ray and engine start-up,
 eval and the final checkpoint are outside the window. samples/s = samples trained in the
-window / window seconds. Each mode runs `--runs` times (default 3); the median run is
+window / window seconds. Each mode runs `--runs` times (default 3), in rounds (every mode once,
+then again: the machine's drift over minutes meets every mode alike); the median run is
 reported. Async modes prefetch up to their buffer bound, so a short window can flatter them
 by at most that much work; the default warm-up of 2 steps lets the buffer settle.
 
@@ -24,7 +27,7 @@ by at most that much work; the default warm-up of 2 steps lets the buffer settle
 The machine line (`_machine.header`) is printed first.
 
     python benchmarks/async_speedup.py [--steps 5] [--runs 3] [--warmup 2] [--threads 2] [--size m25]
-        [--env-latency] [--shared] [--lend] [--set KEY=VALUE ...] [--smoke]
+        [--env-latency] [--shared] [--lend] [--in-place] [--set KEY=VALUE ...] [--smoke]
 
 Each mode's breakdown adds the seconds per step its engines and trainer computed (their timeline
 spans), and the sync run gives the time-shared ceiling: sync step / (engine + trainer compute),
@@ -41,10 +44,11 @@ import os
 import sys
 
 import _machine
-from rl_bench import MODES, Work, breakdown, median_run, run_furlong, shutdown_ray
+from rl_bench import MODES, Work, breakdown, median_rounds, run_furlong, shutdown_ray
 
 SHARED = ("cluster.share_cores=true",)  # time-shared cores: a sync run's threads each, engines at lower priority
 LENT = ("cluster.lend_idle_cores=true",)  # split cores, the trainer's lent to the engines while it waits
+IN_PLACE = (*SHARED, "engine.pause_mode=in_place")  # time-shared, and a weight sync keeps requests' KV
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -60,6 +64,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--env-latency", action="store_true", help="episodes with 4 tool calls of 100-300 ms each")
     ap.add_argument("--shared", action="store_true", help="also fully async on time-shared cores (share_cores=true)")
     ap.add_argument("--lend", action="store_true", help="also fully async on lent cores (lend_idle_cores=true)")
+    ap.add_argument(
+        "--in-place",
+        action="store_true",
+        help="also time-shared async with weight syncs in place (pause_mode=in_place)",
+    )
     ap.add_argument(
         "--set",
         action="append",
@@ -84,16 +93,15 @@ def main(argv: list[str] | None = None) -> int:
         f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores",
         flush=True,
     )
-    res: dict[str, dict[str, float]] = {}
     given = tuple(args.set)
     rows = [(mode, mode, given) for mode in MODES]
     rows += [("async_shared", "async", (*SHARED, *given))] if args.shared else []
     rows += [("async_lent", "async", (*LENT, *given))] if args.lend else []
+    rows += [("async_inplace", "async", (*IN_PLACE, *given))] if args.in_place else []
+    fns = {name: (lambda mode=mode, extra=extra: run_furlong(work, mode, extra=extra)) for name, mode, extra in rows}
+    say = lambda name, r: print(f"  measured {name}: {r['samples_per_s']:.2f} samples/s", flush=True)
     try:
-        for name, mode, extra in rows:
-            runs = 1 if args.smoke else args.runs
-            res[name] = median_run(lambda mode=mode, extra=extra: run_furlong(work, mode, extra=extra), runs)
-            print(f"  measured {name}: {res[name]['samples_per_s']:.2f} samples/s", flush=True)
+        res = median_rounds(fns, 1 if args.smoke else args.runs, say)
     finally:
         shutdown_ray()
     base = res["sync"]["samples_per_s"]
@@ -114,7 +122,9 @@ def main(argv: list[str] | None = None) -> int:
         + (" - other work shared the CPU; these figures understate every mode" if load > args.threads + 0.5 else "")
     )
     extra = "".join(
-        f" {n}_vs_sync={res[n]['samples_per_s'] / base:.2f}" for n in ("async_shared", "async_lent") if n in res
+        f" {n}_vs_sync={res[n]['samples_per_s'] / base:.2f}"
+        for n in ("async_shared", "async_lent", "async_inplace")
+        if n in res
     )
     print(
         f"SPEEDUP overlap_vs_sync={res['overlap']['samples_per_s'] / base:.2f} "

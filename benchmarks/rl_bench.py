@@ -196,7 +196,27 @@ def run_furlong(work: Work, mode: str, run_dir: Path | None = None, extra: tuple
 
 def median_run(fn: Callable[[], dict[str, float]], runs: int) -> dict[str, float]:
     """The figures of the median run (by samples/s) of `runs` runs of `fn`; `all_samples_per_s` lists every run."""
-    results = sorted((fn() for _ in range(max(1, runs))), key=lambda r: r["samples_per_s"])
+    return _median([fn() for _ in range(max(1, runs))])
+
+
+def median_rounds(
+    fns: dict[str, Callable[[], dict[str, float]]], runs: int, done: Callable[[str, dict], None] = lambda n, r: None
+) -> dict[str, dict[str, float]]:
+    """`median_run` of every entry of `fns`, run in rounds (each entry once per round, `done` told after each run).
+
+    Why rounds: this machine's speed drifts by 10-20% over minutes (another tenant's load), and runs of one
+    mode after another would give that drift to whichever mode ran in the slow minutes; in rounds every mode
+    meets it alike."""
+    results: dict[str, list[dict[str, float]]] = {name: [] for name in fns}
+    for _ in range(max(1, runs)):
+        for name, fn in fns.items():
+            results[name].append(fn())
+            done(name, results[name][-1])
+    return {name: _median(rs) for name, rs in results.items()}
+
+
+def _median(results: list[dict[str, float]]) -> dict[str, float]:
+    results = sorted(results, key=lambda r: r["samples_per_s"])
     return {**results[len(results) // 2], "all_samples_per_s": [r["samples_per_s"] for r in results]}
 
 

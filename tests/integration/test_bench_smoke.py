@@ -60,6 +60,26 @@ def test_steady_state_window_starts_after_warmup() -> None:
         steady_state(rows[:2], warmup=2)
 
 
+def test_median_rounds_runs_every_mode_once_a_round_and_reports_each_median() -> None:
+    sys.path.insert(0, str(BENCH))
+    try:
+        from rl_bench import median_rounds
+    finally:
+        sys.path.remove(str(BENCH))
+    order: list[str] = []
+    speeds = {"sync": iter([3.0, 1.0, 2.0]), "async": iter([5.0, 6.0, 4.0])}
+
+    def run(name: str) -> dict[str, float]:
+        order.append(name)
+        return {"samples_per_s": next(speeds[name]), "run": len(order)}
+
+    told: list[str] = []
+    res = median_rounds({n: (lambda n=n: run(n)) for n in speeds}, 3, lambda n, r: told.append(n))
+    assert order == told == ["sync", "async"] * 3  # in rounds, not all runs of one mode first
+    assert res["sync"]["samples_per_s"] == 2.0 and res["sync"]["run"] == 5  # the median run's own figures
+    assert res["async"]["all_samples_per_s"] == [4.0, 5.0, 6.0] and res["async"]["run"] == 2
+
+
 @pytest.mark.slow
 def test_async_speedup_smoke() -> None:
     lines = run_script("async_speedup.py")
