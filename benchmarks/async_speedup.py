@@ -10,8 +10,9 @@ adds a row of fully async with the cores time-shared instead (`cluster.share_cor
 every process takes a sync run's threads, the engines at lower priority), on the same work. `--lend`
 adds fully async with the cores split but lent (`cluster.lend_idle_cores=true`: the engines compute
 with every core while the trainer waits for a batch, with their share while it computes).
-`--in-place` adds time-shared async whose weight syncs keep the requests in flight and their KV
-cache (`engine.pause_mode=in_place`; the default, `retract`, recomputes them on the new weights).
+`--in-place` adds a twin of each `--shared` / `--lend` row whose weight syncs keep the requests in
+flight and their KV cache (`engine.pause_mode=in_place`, rows `*_inplace`; the default, `retract`,
+recomputes them on the new weights).
 
 What is timed: steady state only. After `--warmup` untimed steps, from the end of the last
 warm-up step to the end of the last of `--steps` timed steps, from the per-step wall clock in
@@ -48,7 +49,7 @@ from rl_bench import MODES, Work, breakdown, median_rounds, run_furlong, shutdow
 
 SHARED = ("cluster.share_cores=true",)  # time-shared cores: a sync run's threads each, engines at lower priority
 LENT = ("cluster.lend_idle_cores=true",)  # split cores, the trainer's lent to the engines while it waits
-IN_PLACE = (*SHARED, "engine.pause_mode=in_place")  # time-shared, and a weight sync keeps requests' KV
+IN_PLACE = ("engine.pause_mode=in_place",)  # a weight sync keeps the requests in flight and their KV
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -67,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--in-place",
         action="store_true",
-        help="also time-shared async with weight syncs in place (pause_mode=in_place)",
+        help="also each --shared / --lend row with weight syncs in place (pause_mode=in_place)",
     )
     ap.add_argument(
         "--set",
@@ -97,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = [(mode, mode, given) for mode in MODES]
     rows += [("async_shared", "async", (*SHARED, *given))] if args.shared else []
     rows += [("async_lent", "async", (*LENT, *given))] if args.lend else []
-    rows += [("async_inplace", "async", (*IN_PLACE, *given))] if args.in_place else []
+    rows += [(f"{n}_inplace", m, (*IN_PLACE, *x)) for n, m, x in rows if n != m] if args.in_place else []
     fns = {name: (lambda mode=mode, extra=extra: run_furlong(work, mode, extra=extra)) for name, mode, extra in rows}
     say = lambda name, r: print(f"  measured {name}: {r['samples_per_s']:.2f} samples/s", flush=True)
     try:
@@ -105,10 +106,10 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         shutdown_ray()
     base = res["sync"]["samples_per_s"]
-    print(f"\n{'mode':<12}{'samples/s':>11}{'s/step':>9}{'vs sync':>10}")
+    print(f"\n{'mode':<22}{'samples/s':>11}{'s/step':>9}{'vs sync':>10}")
     for name in res:
         r = res[name]
-        print(f"{name:<12}{r['samples_per_s']:>11.2f}{r['step_s']:>9.2f}{r['samples_per_s'] / base:>9.2f}x")
+        print(f"{name:<22}{r['samples_per_s']:>11.2f}{r['step_s']:>9.2f}{r['samples_per_s'] / base:>9.2f}x")
     print("\nper-step time, as the driver logs it (in overlap/async, generation also runs during train):")
     for name in res:
         print(breakdown(name, res[name]))
@@ -123,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     extra = "".join(
         f" {n}_vs_sync={res[n]['samples_per_s'] / base:.2f}"
-        for n in ("async_shared", "async_lent", "async_inplace")
+        for n in ("async_shared", "async_lent", "async_shared_inplace", "async_lent_inplace")
         if n in res
     )
     print(
