@@ -203,7 +203,10 @@ def test_delta_sends_only_changed_tensors_with_checksums(world, tmp_path):
         assert {n: v for n, v in engine_sums(e).items() if n in want} == want and e.weight_version == 3
 
 
-def test_pause_mode_retract_stamps_old_then_new(world, tmp_path):
+@pytest.mark.parametrize("mode", ["retract", "in_place"])
+def test_pause_modes_stamp_old_then_new_and_retract_alone_recomputes(world, tmp_path, mode):
+    """A request in flight through a weight sync: its tokens carry the old version, then the new, in either
+    mode; `retract` recomputes its KV on the new weights (one prefill more), `in_place` keeps it (none)."""
     reset(world)
     eng, url = world["engines"][0], world["urls"][0]
     result: dict = {}
@@ -213,14 +216,16 @@ def test_pause_mode_retract_stamps_old_then_new(world, tmp_path):
     t.start()
     while not (eng.running and len(eng.running[0].output_ids) >= 3):
         pass
+    prefills = eng.stats["prefills_total"]
     s = sender("shm", tmp_path)
     s.connect(world["urls"], TOKEN)
     with contextlib.closing(s):
-        s.push(world["new_sd"].items(), 4, pause_mode="retract")
+        s.push(world["new_sd"].items(), 4, pause_mode=mode)
     assert all(e.paused is None for e in world["engines"])
     t.join(120)
     versions = result["r"].json()["meta_info"]["output_token_versions"]
     assert versions[0] == 0 and versions[-1] == 4 and set(versions) == {0, 4} and sorted(versions) == versions
+    assert eng.stats["prefills_total"] - prefills == (1 if mode == "retract" else 0)
 
 
 def test_verify_against_engine_checksums(world, tmp_path):
