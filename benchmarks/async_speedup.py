@@ -110,6 +110,11 @@ def main(argv: list[str] | None = None) -> int:
     for name in res:
         r = res[name]
         print(f"{name:<22}{r['samples_per_s']:>11.2f}{r['step_s']:>9.2f}{r['samples_per_s'] / base:>9.2f}x")
+    if len(res["sync"]["round_samples_per_s"]) > 1:
+        print("each round against that round's sync (the spread the medians hide):")
+        for name in res:
+            pairs = zip(res[name]["round_samples_per_s"], res["sync"]["round_samples_per_s"])
+            print(f"  {name:<22}" + " ".join(f"{x / y:.2f}x" for x, y in pairs))
     print("\nper-step time, as the driver logs it (in overlap/async, generation also runs during train):")
     for name in res:
         print(breakdown(name, res[name]))

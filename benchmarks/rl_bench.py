@@ -204,15 +204,18 @@ def median_rounds(
 ) -> dict[str, dict[str, float]]:
     """`median_run` of every entry of `fns`, run in rounds (each entry once per round, `done` told after each run).
 
-    Why rounds: this machine's speed drifts by 10-20% over minutes (another tenant's load), and runs of one
+    Why rounds: a shared machine's speed drifts by 10-20% over minutes (other tenants' load), and runs of one
     mode after another would give that drift to whichever mode ran in the slow minutes; in rounds every mode
-    meets it alike."""
+    meets it alike. Each result's `round_samples_per_s` lists its runs in round order, so ratios between
+    modes can be read round by round."""
     results: dict[str, list[dict[str, float]]] = {name: [] for name in fns}
     for _ in range(max(1, runs)):
         for name, fn in fns.items():
             results[name].append(fn())
             done(name, results[name][-1])
-    return {name: _median(rs) for name, rs in results.items()}
+    return {
+        name: {**_median(rs), "round_samples_per_s": [r["samples_per_s"] for r in rs]} for name, rs in results.items()
+    }
 
 
 def _median(results: list[dict[str, float]]) -> dict[str, float]:

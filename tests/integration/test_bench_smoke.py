@@ -78,6 +78,7 @@ def test_median_rounds_runs_every_mode_once_a_round_and_reports_each_median() ->
     assert order == told == ["sync", "async"] * 3  # in rounds, not all runs of one mode first
     assert res["sync"]["samples_per_s"] == 2.0 and res["sync"]["run"] == 5  # the median run's own figures
     assert res["async"]["all_samples_per_s"] == [4.0, 5.0, 6.0] and res["async"]["run"] == 2
+    assert res["async"]["round_samples_per_s"] == [5.0, 6.0, 4.0]  # in round order, for per-round ratios
 
 
 @pytest.mark.slow
