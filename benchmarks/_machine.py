@@ -54,7 +54,7 @@ def cpu_info() -> dict[str, Any]:
 def gemm_peak(dtype: torch.dtype = torch.float32, n: int = 1024, seconds: float = 1.0) -> dict[str, float]:
     """GFLOP/s of an n x n matmul through MKL (`torch.mm`) and oneDNN with a pre-packed weight; `peak` is
     the better, so no system is measured against a slower library than it could use."""
-    from furlong.engine.model import pick_linear
+    from furlong.core.onednn import pick_linear
 
     a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
     linear, pack = pick_linear(dtype)

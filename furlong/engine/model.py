@@ -16,13 +16,13 @@ HF forward over the whole padded sequences each step; no KV pool is used.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
+from furlong.core import onednn
 from furlong.engine import compiled_step
 from furlong.engine.adapters import Adapters
 from furlong.engine.attention import decode_attention, decode_mask, pick_decode_attention, prefill_attention, row_slots
@@ -60,47 +60,6 @@ def native_gap(cfg) -> str | None:
     if getattr(cfg, "partial_rotary_factor", 1.0) != 1.0:
         return f"partial_rotary_factor={cfg.partial_rotary_factor} (native: full-width RoPE)"
     return None
-
-
-def _onednn_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
-    return torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")
-
-
-def _onednn_pack(w: torch.Tensor) -> torch.Tensor:
-    return torch.ops.mkldnn._reorder_linear_weight(w.detach(), PACK_ROWS)
-
-
-PACK_ROWS = 64  # row-count hint for oneDNN's weight layout; any row count still works
-
-
-def pick_linear(dtype: torch.dtype) -> tuple[Callable[..., torch.Tensor], Callable[[torch.Tensor], torch.Tensor]]:
-    """(linear, pack): oneDNN with pre-packed weights where it works for `dtype`, else (`F.linear`, identity).
-
-    Why: `F.linear` on CPU is MKL's sgemm, which on the AMD EPYC machines this
-    project is measured on runs fp32 at roughly half the speed oneDNN reaches
-    with its weights pre-packed into its own blocked layout (the engine's
-    batches are 1-64 rows, where the packing pays most; the benchmark
-    `benchmarks/engine_throughput.py` prints both peaks). It still pays on the
-    2-vCPU Xeon (AMX) of issue 15: m25, 2 threads, `--skip-http --skip-hf`, mixed
-    lengths / groups rows in tok/s: fp32 packed 1,051 / 1,613, `F.linear` 1,015 /
-    1,322, oneDNN on plain weights 1,024 / 1,511; bf16 packed 1,892 / 2,629,
-    `F.linear` 1,567 / 2,323, plain oneDNN 1,563 / 2,212. A weight update writes
-    the packed weights in place (`engine/packed.py`), so packing costs a sync
-    nothing extra, and the HF copies of held projections are dropped (one copy of
-    the weights, not two). A build without oneDNN, or a dtype it rejects, gets
-    `F.linear`; the probe checks the result.
-    """
-    if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")):
-        return F.linear, lambda w: w
-    try:
-        x, w, b = (torch.randn(*s).to(dtype) for s in ((5, 16), (8, 16), (8,)))
-        if torch.allclose(
-            _onednn_linear(x, _onednn_pack(w), b).float(), F.linear(x, w, b).float(), atol=1e-2, rtol=1e-2
-        ):
-            return _onednn_linear, _onednn_pack
-    except (RuntimeError, NotImplementedError, AttributeError):
-        pass
-    return F.linear, lambda w: w
 
 
 @dataclass
@@ -168,7 +127,7 @@ class NativeModel:
         self.is_moe = self.arch in MOE_ARCHS
         self.attend_rows = pick_decode_attention(dtype, device, self.n_kv, self.n_heads // self.n_kv, self.head_dim)
         # oneDNN packing is a CPU kernel; on a GPU the forward multiplies by the HF weights themselves.
-        self.linear, self._pack = pick_linear(dtype) if self.k_pool[0].is_cpu else (F.linear, lambda w: w)
+        self.linear, self._pack = onednn.pick_linear(dtype) if self.k_pool[0].is_cpu else (F.linear, lambda w: w)
         # Before the keys are built: quantised projections are held as codes + scales, never fused or packed.
         self.quant = QuantizedWeights(hf_model, quantization) if quantization != "none" else None
         # Dense weights by key ("3.qkv", "lm_head", ...): (source tensor, the HF parameters it reads).
@@ -256,7 +215,7 @@ class NativeModel:
         another module reads them too (an lm_head tied to the embeddings is still copied, then re-packed in
         place). Why: a sync is then one pass straight into the weights the forward reads, and the engine no
         longer keeps a second, plain copy of every projection."""
-        if self._pack is not _onednn_pack:
+        if self._pack is not onednn.pack:
             return
         users: dict[int, list[tuple[torch.nn.Module, str]]] = {}
         for mod in self.hf.modules():

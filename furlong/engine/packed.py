@@ -1,7 +1,7 @@
 """oneDNN-packed weights written in place: a weight update is one pass, straight into the packed layout.
 
 Why: on CPU the engine multiplies by weights pre-packed into oneDNN's blocked layout
-(`model.pick_linear`; 10-17% more decode tokens/s than plain weights on the measured Xeon, fp32 and
+(`core.onednn.pick_linear`; 10-17% more decode tokens/s than plain weights on the measured Xeon, fp32 and
 bf16). A sync used to copy each tensor into its HF parameter and then re-pack every touched matrix with
 `_reorder_linear_weight` into freshly allocated memory: two passes over the weights, the second into
 memory that must first be faulted in, and ~5 GB/s at best where memcpy reaches ~12. Here the packed

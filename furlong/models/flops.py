@@ -13,7 +13,7 @@ a lower bound, never an overclaim. MoE models count the experts a token is route
 The peak of a CUDA device comes from `PEAK_TFLOPS` (dense bf16 tensor-core figures from the vendors'
 data sheets, matched on the device name; untested on a GPU here); a device not in the table has no peak
 (achieved TFLOP/s only). On CPU the peak is *measured* once per process and dtype, a short matmul loop
-with torch's threads, so CPU MFU reads "fraction of what this machine's matmul reaches now" (these
+with torch's threads through MKL and oneDNN (the better of the two), so CPU MFU reads "fraction of what this machine's matmul reaches now" (these
 machines are shared VMs whose GEMM rate depends on the CPU's vector units and the load).
 """
 
@@ -79,12 +79,23 @@ def peak_flops(dtype: str = "float32", device: str = "cpu") -> tuple[float | Non
             if key in name:
                 return tflops * 1e12, f"data sheet ({name}, dense bf16)"
         return None, f"unknown device {name}"
+    from furlong.core import onednn
+
     n = 256
     gen = torch.Generator().manual_seed(0)  # its own: the probe must not move the run's RNG stream (exact resume)
     a, b = (torch.randn(n, n, generator=gen).to(getattr(torch, dtype)) for _ in range(2))
-    a @ b  # warm-up
+    # The better of the two libraries the trainer and the engine multiply with (`core/onednn.py`).
+    kernels = {"MKL": lambda: a @ b} | ({"oneDNN": lambda: onednn.linear(a, b)} if onednn.available(a.dtype) else {})
+    rates = {name: _rate(fn, 2.0 * n**3) for name, fn in kernels.items()}
+    best = max(rates, key=rates.get)
+    return rates[best], f"measured {dtype} matmul on this CPU ({best})"
+
+
+def _rate(fn, flops: float, seconds: float = 0.05) -> float:
+    """FLOP/s of `fn` (costing `flops`) over a short loop after one warm-up call."""
+    fn()
     reps, t0 = 0, time.perf_counter()
-    while time.perf_counter() - t0 < 0.05:
-        a @ b
+    while time.perf_counter() - t0 < seconds:
+        fn()
         reps += 1
-    return 2.0 * n**3 * reps / (time.perf_counter() - t0), f"measured {dtype} matmul on this CPU"
+    return flops * reps / (time.perf_counter() - t0)

@@ -38,7 +38,7 @@ from torch import Tensor, nn
 
 from furlong.core import spans
 from furlong.core.sample import Sample, SampleError
-from furlong.train import checkpoint, compiled, dist, mfu, qat, routing_replay
+from furlong.train import checkpoint, compiled, dist, mfu, onednn_linear, qat, routing_replay
 from furlong.train.batch import Packed, TrainBatch, micro_batches, pack, partition
 from furlong.train.critic import ValueModel
 from furlong.train.hooks import TrainerHooks
@@ -139,6 +139,7 @@ class Trainer:
 
     def _place(self, model: nn.Module, frozen: bool = False) -> nn.Module:
         model.to(self.device)
+        onednn_linear.apply(model, self.cfg.onednn_linear, self.device)  # before sharding (train.onednn_linear)
         if frozen:
             model.requires_grad_(False).eval()
         dist.distribute(model, self.device, self.world_size, self.mixed_precision)  # FSDP2, or one-rank autocast
@@ -288,8 +289,7 @@ class Trainer:
         sft_lr = self.cfg.sft_lr
         if sft_lr is None:
             return self._optimise(batch, self._sft_loss)
-        # A warm-up usually wants a larger step than RL. Afterwards every group gets the RL
-        # schedule's rate back (also when the step was skipped as non-finite).
+        # A warm-up usually wants a larger step than RL; then every group gets the RL rate back (also if skipped).
         for group in self.optimizer.param_groups:
             group["lr"] = sft_lr
         try:

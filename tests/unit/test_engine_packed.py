@@ -16,8 +16,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from furlong.core import onednn
 from furlong.engine import blockcopy
-from furlong.engine import model as native
 from furlong.engine import packed as packed_mod
 from furlong.engine.engine import Engine
 from furlong.engine.packed import Packed, memory, rows_of
@@ -26,7 +26,7 @@ from furlong.engine.request import Request
 from furlong.engine.sampler import SamplingParams
 from furlong.models import create_model
 
-ONEDNN = native.pick_linear(torch.float32)[1] is native._onednn_pack
+ONEDNN = onednn.pick_linear(torch.float32)[1] is onednn.pack
 pytestmark = pytest.mark.skipif(not ONEDNN, reason="this torch build packs no oneDNN weights")
 PROMPTS = [[5, 40, 41, 42, 7], [9, 300, 12, 13, 14, 15, 16]]
 
@@ -41,12 +41,12 @@ def test_rows_written_in_place_are_the_bytes_of_a_fresh_pack(dtype, kernel, monk
     """Both ways of writing whole row blocks (the compiled transpose, PyTorch's strided copy) give the same bytes."""
     if kernel and blockcopy.kernel() is None:
         pytest.skip("no C compiler on this machine: syncs use PyTorch's copy (the torch-copy case)")
-    if native.pick_linear(dtype)[1] is not native._onednn_pack:
+    if onednn.pick_linear(dtype)[1] is not onednn.pack:
         pytest.skip(f"oneDNN packs no {dtype} weights on this CPU (the engine multiplies by plain ones: F.linear)")
     calls = []
     real = packed_mod.transpose_blocks
     monkeypatch.setattr(packed_mod, "transpose_blocks", lambda *a: calls.append(a) is None and kernel and real(*a))
-    pack = native._onednn_pack
+    pack = onednn.pack
     torch.manual_seed(0)
     w = torch.randn(384, 256).to(dtype)
     p = pack(w)
@@ -59,7 +59,7 @@ def test_rows_written_in_place_are_the_bytes_of_a_fresh_pack(dtype, kernel, monk
     assert torch.equal(packed_bytes(p, dtype), packed_bytes(pack(new), dtype))
     assert torch.equal(held.read(37, 300), new[37:300]) and torch.equal(held.read(5, 9), new[5:9])
     x = torch.randn(7, 256).to(dtype)
-    assert torch.equal(native._onednn_linear(x, p), native._onednn_linear(x, pack(new)))
+    assert torch.equal(onednn.linear(x, p), onednn.linear(x, pack(new)))
     assert held.packed is p  # the tensor the forward multiplies by is the one written
     assert calls  # whole blocks were offered to the kernel (and, in the torch-copy case, declined)
 
@@ -85,7 +85,7 @@ def test_block_transpose_kernel_matches_torch(dtype, rows, cols):
 def test_a_layout_with_padding_is_not_held():
     """oneDNN pads a [100, 64] weight to whole blocks: no plain view covers it, so it keeps the re-pack path."""
     w = torch.randn(100, 64)
-    assert Packed.of(native._onednn_pack(w), w, native._onednn_pack) is None
+    assert Packed.of(onednn.pack(w), w, onednn.pack) is None
 
 
 def greedy(engine: Engine) -> list[tuple[list[int], list[float]]]:
@@ -122,7 +122,7 @@ def test_sync_is_one_pass_into_the_packed_weights_and_exact(tmp_path, monkeypatc
         assert all(p.is_meta for key in m.held for p in m.sources[key][1])  # no plain copy kept
         tensors = dict(m.w)
         packs = []
-        monkeypatch.setattr(m, "_pack", lambda w: packs.append(w) or native._onednn_pack(w))
+        monkeypatch.setattr(m, "_pack", lambda w: packs.append(w) or onednn.pack(w))
         old = held_state_dict(eng.hf, m)
         g = torch.Generator().manual_seed(1)
         new = {n: t + 0.02 * torch.randn(t.shape, generator=g) for n, t in old.items()}
