@@ -47,8 +47,10 @@ class _LinearFn(torch.autograd.Function):
         x, w = ctx.saved_tensors
         g = g.contiguous()
         want_x, want_w, want_b = ctx.needs_input_grad
-        gx = onednn.linear(g, w.t().contiguous()) if want_x else None  # g @ w, w.T as the [in, out] weight
-        gw = onednn.linear(g.t().contiguous(), x.t().contiguous()) if want_w else None  # g.T @ x
+        # Transposed views, not copies: oneDNN reads the strides itself, and on the m25 shapes the views
+        # took 6.7 / 9.4 ms where contiguous copies took 7.4 / 10.1 ms (input / weight gradient).
+        gx = onednn.linear(g, w.t()) if want_x else None  # g @ w: w.T as the [in, out] weight
+        gw = onednn.linear(g.t(), x.t()) if want_w else None  # g.T @ x: x.T as the [in, N] weight
         gb = g.sum(0) if ctx.has_bias and want_b else None
         return gx, gw, gb
 
