@@ -12,11 +12,17 @@ roofline counts every processed token (prompt + response), forward and backward
 (3 x the forward's 2·params FLOPs per token, `furlong.train.mfu`), against this run's GEMM peak
 (in bf16 with `--set mixed_precision=bf16`: the matmuls' dtype).
 
-The same script runs against an older tree (`PYTHONPATH=<old tree>`) to measure a change.
+The same script runs against an older tree (`PYTHONPATH=<old tree>`) to measure a change, or
+against other settings in the same run: `--against KEY=VALUE` (repeatable) runs every budget a
+second time with those settings on top of `--set`, the two configurations in rounds (`--runs`,
+each once per round: this machine's speed drifts over minutes) and each one's median run reported,
+and prints the step-time ratio `against / this`.
 
     python benchmarks/trainer_step.py [--steps 5] [--budgets 512,2048] [--threads 2] [--size m25]
+        [--set KEY=VALUE] [--against KEY=VALUE] [--runs 3]
 
-Last line: `RATIO trainer_of_roofline=<x>` (the first budget's row).
+Last line: `RATIO trainer_of_roofline=<x>` (the first budget's row), with `speedup_vs_against=<y>`
+(its step-time ratio) when `--against` is given.
 """
 
 from __future__ import annotations
@@ -66,7 +72,17 @@ def run(size: str, budget: int, steps: int, n: int, new_tokens: int, extra: dict
     step_s = statistics.median(times)
     del trainer
     torch.manual_seed(0)
-    return {"step_s": step_s, "tokens": tokens, "gflops": 3 * per_token * tokens / step_s / 1e9}
+    gflops = 3 * per_token * tokens / step_s / 1e9
+    return {"step_s": step_s, "tokens": tokens, "gflops": gflops, "samples_per_s": n / step_s}
+
+
+def settings(items: list[str]) -> dict:
+    """`KEY=VALUE` strings as TrainConfig keyword arguments (true / false as booleans)."""
+    out = {}
+    for item in items:
+        k, _, v = item.partition("=")
+        out[k] = {"true": True, "false": False}.get(v, v)
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -78,33 +94,50 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--samples", type=int, default=64)
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--set", action="append", default=[], help="extra TrainConfig field=value (e.g. compile=true)")
+    ap.add_argument("--against", action="append", default=[], help="field=value of a second configuration")
+    ap.add_argument("--runs", type=int, default=1, help="runs of each configuration (in rounds); the median run")
     args = ap.parse_args(argv)
     import torch
+    from rl_bench import median_rounds
 
     import furlong
 
     torch.set_num_threads(args.threads)
-    extra = {}
-    for item in args.set:
-        k, _, v = item.partition("=")
-        extra[k] = {"true": True, "false": False}.get(v, v)
+    extra = settings(args.set)
+    configs = {"this": extra} | ({"against": {**extra, **settings(args.against)}} if args.against else {})
     # The peak in the dtype the matmuls run in: bf16 under mixed precision (on AMX, about 4x the fp32 peak).
     info = _machine.header(torch.bfloat16 if extra.get("mixed_precision") == "bf16" else torch.float32)
-    print(
-        f"furlong from {os.path.dirname(furlong.__file__)}; {args.samples} samples x {args.new_tokens} tokens; {extra}"
-    )
-    print(f"{'budget':>8}{'s/step':>9}{'tok/s':>9}{'GFLOP/s':>9}{'of peak':>9}")
-    first = None
+    print(f"furlong from {os.path.dirname(furlong.__file__)}; {args.samples} samples x {args.new_tokens} tokens")
+    for name, cfg in configs.items():
+        print(f"  {name}: {cfg}")
+    print(f"{'budget':>8} {'config':<8}{'s/step':>9}{'tok/s':>9}{'GFLOP/s':>9}{'of peak':>9}")
+    first = speedup = None
     for budget in [int(b) for b in args.budgets.split(",")]:
-        r = run(args.size, budget, args.steps, args.samples, args.new_tokens, extra)
-        share = r["gflops"] / info["gemm"]["peak"]
-        first = share if first is None else first
-        print(
-            f"{budget:>8}{r['step_s']:>9.2f}{r['tokens'] / r['step_s']:>9.0f}{r['gflops']:>9.1f}{share:>8.0%}",
-            flush=True,
-        )
+        fns = {
+            name: (
+                lambda cfg=cfg, budget=budget: run(args.size, budget, args.steps, args.samples, args.new_tokens, cfg)
+            )
+            for name, cfg in configs.items()
+        }
+        rows = median_rounds(fns, args.runs)
+        for name, r in rows.items():
+            share = r["gflops"] / info["gemm"]["peak"]
+            first = share if first is None else first
+            print(
+                f"{budget:>8} {name:<8}{r['step_s']:>9.2f}{r['tokens'] / r['step_s']:>9.0f}{r['gflops']:>9.1f}"
+                f"{share:>8.0%}",
+                flush=True,
+            )
+        if "against" in rows:
+            ratio = rows["against"]["step_s"] / rows["this"]["step_s"]
+            speedup = ratio if speedup is None else speedup
+            per_round = [
+                f"{a / b:.2f}"
+                for a, b in zip(rows["this"]["round_samples_per_s"], rows["against"]["round_samples_per_s"])
+            ]
+            print(f"{budget:>8} against / this: {ratio:.2f}x the step time (rounds {' '.join(per_round)})")
     print(f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
-    print(f"RATIO trainer_of_roofline={first:.2f}")
+    print(f"RATIO trainer_of_roofline={first:.2f}" + (f" speedup_vs_against={speedup:.2f}" if speedup else ""))
     return 0
 
 

@@ -20,10 +20,10 @@ BENCH = ROOT / "benchmarks"
 FLOAT = r"(\d+(?:\.\d+)?)"
 
 
-def run_script(name: str, timeout: float = 240) -> list[str]:
+def run_script(name: str, args: tuple[str, ...] = ("--smoke",), timeout: float = 240) -> list[str]:
     env = {**os.environ, "OMP_NUM_THREADS": "2", "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     p = subprocess.run(
-        [sys.executable, str(BENCH / name), "--smoke"],
+        [sys.executable, str(BENCH / name), *args],
         cwd=ROOT,
         env=env,
         capture_output=True,
@@ -79,6 +79,20 @@ def test_median_rounds_runs_every_mode_once_a_round_and_reports_each_median() ->
     assert res["sync"]["samples_per_s"] == 2.0 and res["sync"]["run"] == 5  # the median run's own figures
     assert res["async"]["all_samples_per_s"] == [4.0, 5.0, 6.0] and res["async"]["run"] == 2
     assert res["async"]["round_samples_per_s"] == [5.0, 6.0, 4.0]  # in round order, for per-round ratios
+
+
+def test_trainer_step_against_another_setting() -> None:
+    """`--against`: both configurations time every budget, and the ratio of their step times is printed."""
+    tiny = ("--size", "tiny", "--samples", "8", "--new-tokens", "8", "--steps", "1", "--budgets", "64,128")
+    lines = run_script("trainer_step.py", (*tiny, "--against", "onednn_linear=false", "--runs", "2"))
+    assert any("against: {'onednn_linear': False}" in line for line in lines), lines
+    for budget in (64, 128):
+        for config in ("this", "against"):
+            assert any(re.match(rf"\s+{budget} {config}\s+{FLOAT}\s+\d+\s+{FLOAT}\s+\d+%$", x) for x in lines), lines
+        rounds = rf"\s+{budget} against / this: {FLOAT}x the step time \(rounds {FLOAT} {FLOAT}\)$"
+        assert any(re.match(rounds, line) for line in lines), lines
+    m = re.fullmatch(rf"RATIO trainer_of_roofline={FLOAT} speedup_vs_against={FLOAT}", lines[-1])
+    assert m and float(m.group(2)) > 0, lines[-1]
 
 
 @pytest.mark.slow
