@@ -15,7 +15,8 @@ from furlong.models import create_model, flops
 from furlong.train import onednn_linear
 from furlong.train.onednn_linear import OneDNNLinear
 from furlong.train.trainer import Trainer
-from tests.unit.test_train_trainer import algo, samples
+from tests.unit.test_train_compile import assert_trains_alike, two_steps
+from tests.unit.test_train_trainer import algo
 
 torch.set_num_threads(1)
 MODEL = create_model("qwen3", "tiny")
@@ -32,34 +33,16 @@ def calls(monkeypatch) -> list[tuple]:
     return seen
 
 
-def _run(setting: bool) -> tuple[Trainer, list[dict], list[dict]]:
-    tr = Trainer(MODEL, TrainConfig(lr=1e-3, micro_batch_tokens=40, onednn_linear=setting), algo())
-    records, grads = [], []
-    for seed in (1, 2):
-        records.append(tr.train_rollout(samples(seed=seed)))
-        grads.append({n: p.grad.clone() for n, p in tr.policy.named_parameters() if p.grad is not None})
-    return tr, records, grads
-
-
 def test_trainer_with_onednn_linears_trains_like_f_linear_within_1e_4(calls) -> None:
-    plain, plain_rec, plain_grads = _run(False)
+    plain, plain_rec, plain_grads, _ = two_steps(onednn_linear=False)
     assert not any(isinstance(m, OneDNNLinear) for m in plain.policy.modules()) and not calls
-    fast, fast_rec, fast_grads = _run(True)
+    fast, fast_rec, fast_grads, _ = two_steps(onednn_linear=True)
     n_linear = sum(isinstance(m, nn.Linear) for m in fast.policy.modules())
     assert n_linear and all(type(m) is OneDNNLinear for m in fast.policy.modules() if isinstance(m, nn.Linear))
     assert len(calls) >= 3 * n_linear  # forward, input gradient and weight gradient of every linear
     assert plain.policy.state_dict().keys() == fast.policy.state_dict().keys()  # checkpoints are unchanged
-    for p, f in zip(plain_rec, fast_rec):
-        for lp, lf in zip(p["train_logprobs"], f["train_logprobs"]):
-            torch.testing.assert_close(torch.tensor(lf), torch.tensor(lp), atol=1e-4, rtol=0)
-        pm, fm = p["metrics"][0], f["metrics"][0]
-        for k in ("loss", "grad_norm"):
-            assert abs(pm[k] - fm[k]) <= 1e-4 * max(1.0, abs(pm[k])), (k, pm[k], fm[k])
-    for gp, gf in zip(plain_grads, fast_grads):
-        assert gp.keys() == gf.keys()
-        for n in gp:
-            torch.testing.assert_close(gf[n], gp[n], atol=1e-4, rtol=1e-3, msg=n)
-    again = _run(True)[1]
+    assert_trains_alike((plain_rec, plain_grads), (fast_rec, fast_grads))
+    again = two_steps(onednn_linear=True)[1]
     assert [r["train_logprobs"] for r in again] == [r["train_logprobs"] for r in fast_rec]  # exact run to run
 
 
