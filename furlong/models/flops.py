@@ -13,8 +13,9 @@ a lower bound, never an overclaim. MoE models count the experts a token is route
 The peak of a CUDA device comes from `PEAK_TFLOPS` (dense bf16 tensor-core figures from the vendors'
 data sheets, matched on the device name; untested on a GPU here); a device not in the table has no peak
 (achieved TFLOP/s only). On CPU the peak is *measured* once per process and dtype, a short matmul loop
-with torch's threads through MKL and oneDNN (the better of the two), so CPU MFU reads "fraction of what this machine's matmul reaches now" (these
-machines are shared VMs whose GEMM rate depends on the CPU's vector units and the load).
+with torch's threads through MKL and through oneDNN (the better of the two: `core/onednn.py`), so CPU
+MFU reads "fraction of what this machine's matmul reaches now" (these machines are shared VMs whose
+GEMM rate depends on the CPU's vector units and the load).
 """
 
 from __future__ import annotations
