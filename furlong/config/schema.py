@@ -230,7 +230,9 @@ class TrainConfig(Section):
     gradient_checkpointing: bool = False
     # torch.compile of each decoder layer, forward + backward (train/compiled.py); auto: on CUDA only
     compile: bool | Literal["auto"] = "auto"
-    onednn_linear: bool | Literal["auto"] = "auto"  # CPU linears, fwd + bwd, via oneDNN (train/onednn_linear.py)
+    onednn_linear: bool | Literal["auto"] = (
+        "auto"  # CPU linears, fwd + bwd, via oneDNN; auto: off Intel x86 (train/onednn_linear.py)
+    )
     ref_update_every: int = Field(0, ge=0)  # RL steps; 0 = the reference model stays frozen
     checkpoint_every: int = Field(50, ge=0)  # RL steps between checkpoints; 0 = by time (or only at the end)
     checkpoint_every_min: float = Field(30.0, ge=0)  # minutes between checkpoints (whichever comes first); 0 = off

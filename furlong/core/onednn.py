@@ -17,6 +17,11 @@ plain weights 1,024 / 1,511; bf16 packed 1,892 / 2,629, `F.linear` 1,567 / 2,323
 costs a sync nothing extra. The trainer multiplies by plain weights (they change every optimiser
 step) through `train/onednn_linear.py`.
 
+`mkl_slow_here()` says whether this CPU is one where MKL takes its slow path (an x86 CPU not made by
+Intel): there the trainer's `auto` turns oneDNN on. On Intel's own CPUs MKL's sgemm is at least as fast
+at the trainer's shapes (the 2-vCPU Xeon with AMX of issue 15, m25, 2048-row micro-batches, fp32:
+3.49 s a step through MKL, 3.94 s through oneDNN; `benchmarks/RESULTS.md`, round 15).
+
 `available(dtype)` probes once per dtype that oneDNN is in this build, takes `dtype` and agrees
 with `F.linear`: a build without it, or a dtype it rejects, keeps `F.linear`.
 """
@@ -24,6 +29,7 @@ with `F.linear`: a build without it, or a dtype it rejects, keeps `F.linear`.
 from __future__ import annotations
 
 import functools
+import platform
 from collections.abc import Callable
 
 import torch
@@ -40,6 +46,27 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> t
 def pack(w: torch.Tensor) -> torch.Tensor:
     """`w` `[out, in]` reordered into oneDNN's blocked layout (an opaque mkldnn tensor)."""
     return torch.ops.mkldnn._reorder_linear_weight(w.detach(), PACK_ROWS)
+
+
+X86 = ("x86_64", "amd64", "i686", "i386")
+
+
+def cpu_vendor() -> str:
+    """The CPU's vendor id from /proc/cpuinfo ("GenuineIntel", "AuthenticAMD", ...); "" where there is none."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("vendor_id"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
+
+
+@functools.cache
+def mkl_slow_here() -> bool:
+    """An x86 CPU whose vendor is not Intel: MKL's sgemm takes its generic AVX2 path there."""
+    return platform.machine().lower() in X86 and cpu_vendor() not in ("", "GenuineIntel")
 
 
 @functools.cache

@@ -46,13 +46,35 @@ def test_trainer_with_onednn_linears_trains_like_f_linear_within_1e_4(calls) -> 
     assert [r["train_logprobs"] for r in again] == [r["train_logprobs"] for r in fast_rec]  # exact run to run
 
 
-def test_auto_is_on_for_a_cpu_trainer_and_bad_values_are_refused() -> None:
+@pytest.fixture
+def vendor(monkeypatch):
+    """Pretend to run on an x86 CPU of the vendor the test sets (`set(vendor_id)`)."""
+    from furlong.core import onednn
+
+    monkeypatch.setattr(onednn.platform, "machine", lambda: "x86_64")
+    onednn.mkl_slow_here.cache_clear()
+    yield lambda name: (monkeypatch.setattr(onednn, "cpu_vendor", lambda: name), onednn.mkl_slow_here.cache_clear())
+    onednn.mkl_slow_here.cache_clear()
+
+
+@pytest.mark.parametrize(("cpu", "on"), [("AuthenticAMD", True), ("HygonGenuine", True), ("GenuineIntel", False)])
+def test_auto_is_on_where_mkl_is_slow_and_bad_values_are_refused(vendor, cpu: str, on: bool) -> None:
+    vendor(cpu)
     tr = Trainer(MODEL, TrainConfig(lr=1e-3), algo())  # onednn_linear defaults to auto
-    assert any(isinstance(m, OneDNNLinear) for m in tr.policy.modules())
-    assert onednn_linear.wanted("auto", torch.device("cpu"))
+    assert any(isinstance(m, OneDNNLinear) for m in tr.policy.modules()) is on
+    assert onednn_linear.wanted("auto", torch.device("cpu")) is on
+    assert onednn_linear.wanted(True, torch.device("cpu")) and not onednn_linear.wanted(False, torch.device("cpu"))
     assert not onednn_linear.wanted(True, torch.device("meta"))  # oneDNN multiplies CPU tensors only
     with pytest.raises(ValueError, match="train.onednn_linear"):
         onednn_linear.wanted("yes", torch.device("cpu"))
+
+
+def test_the_cpu_vendor_is_read_from_proc_cpuinfo() -> None:
+    from furlong.core import onednn
+
+    with open("/proc/cpuinfo") as f:
+        want = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("vendor_id")), "")
+    assert onednn.cpu_vendor() == want
 
 
 @pytest.mark.parametrize("bias", [True, False])
