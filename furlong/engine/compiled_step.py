@@ -101,16 +101,29 @@ class CompiledStep:
         self.compile_s = 0.0  # seconds spent in calls that compiled
         self.compiles = 0  # calls that compiled (a new shape class, or the first call)
         self.calls = 0
+        self._marked: set[tuple[int, int]] = set()  # (meta buffer, rows generation) marked dynamic
+        self._col_lens: dict[tuple[int, torch.device], torch.Tensor] = {}  # context length -> its `cols` tensor
+
+    def _cols(self, L: int, device: torch.device) -> torch.Tensor:
+        """A tensor of size L (only its size is read), one per length, marked dynamic once."""
+        if (L, device) not in self._col_lens:
+            cols = torch.empty(L, dtype=torch.int8, device=device)
+            torch._dynamo.mark_dynamic(cols, 0)
+            self._col_lens[(L, device)] = cols
+        return self._col_lens[(L, device)]
 
     def __call__(self, m: NativeModel, dec, meta: torch.Tensor, L: int) -> torch.Tensor:
         from torch._dynamo.utils import compilation_time_metrics
 
-        cols = torch.empty(L, dtype=torch.int8, device=meta.device)  # only its size is read
+        cols = self._cols(L, meta.device)
         # What varies between steps is dynamic from the first compile: the bucket, the rows' storage
         # (rows, capacity) and the context read; the weights, the pool and the model's sizes stay static.
-        for t, dims in ((meta, (1,)), (cols, (0,)), *((t, (0, 2)) for t in dec.k + dec.v)):
-            for d in dims:
-                torch._dynamo.mark_dynamic(t, d)
+        # Marked once per tensor (a mark stays on the tensor): the rows' storage is new only when it grows.
+        if (id(meta), dec.generation) not in self._marked:
+            for t, dims in ((meta, (1,)), *((t, (0, 2)) for t in dec.k + dec.v)):
+                for d in dims:
+                    torch._dynamo.mark_dynamic(t, d)
+            self._marked.add((id(meta), dec.generation))
         before = _compiled_seconds(compilation_time_metrics)
         t0 = time.perf_counter()
         # No duck sizing: the rows' storage often holds exactly as many rows as the bucket, and an equality

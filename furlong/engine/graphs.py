@@ -30,6 +30,7 @@ tests/gpu/test_cuda_graphs.py.
 
 from __future__ import annotations
 
+import contextlib
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -177,7 +178,8 @@ class DecodeGraphs:
             self.graphs.clear()  # they read storage that moved
             self.key = key
         host = self._host_meta(b, B)
-        with self.device:
+        # On the host no device context: as a torch-function mode it would intercept every op of the step
+        with self.device if self.device.type != "cpu" else contextlib.nullcontext():
             if B not in self.meta:
                 self.meta[B] = torch.zeros(7, B, dtype=torch.long)
             self.meta[B].copy_(host, non_blocking=True)
