@@ -230,9 +230,8 @@ class TrainConfig(Section):
     gradient_checkpointing: bool = False
     # torch.compile of each decoder layer, forward + backward (train/compiled.py); auto: on CUDA only
     compile: bool | Literal["auto"] = "auto"
-    onednn_linear: bool | Literal["auto"] = (
-        "auto"  # CPU linears, fwd + bwd, via oneDNN; auto: off Intel x86 (train/onednn_linear.py)
-    )
+    # CPU linears, forward + backward, through oneDNN (train/onednn_linear.py); auto: on x86 CPUs not Intel's
+    onednn_linear: bool | Literal["auto"] = "auto"
     ref_update_every: int = Field(0, ge=0)  # RL steps; 0 = the reference model stays frozen
     checkpoint_every: int = Field(50, ge=0)  # RL steps between checkpoints; 0 = by time (or only at the end)
     checkpoint_every_min: float = Field(30.0, ge=0)  # minutes between checkpoints (whichever comes first); 0 = off

@@ -51,10 +51,10 @@ def pack(w: torch.Tensor) -> torch.Tensor:
 X86 = ("x86_64", "amd64", "i686", "i386")
 
 
-def cpu_vendor() -> str:
-    """The CPU's vendor id from /proc/cpuinfo ("GenuineIntel", "AuthenticAMD", ...); "" where there is none."""
+def cpu_vendor(cpuinfo: str = "/proc/cpuinfo") -> str:
+    """The CPU's vendor id ("GenuineIntel", "AuthenticAMD", ...); "" where the file has none or is missing."""
     try:
-        with open("/proc/cpuinfo") as f:
+        with open(cpuinfo) as f:
             for line in f:
                 if line.startswith("vendor_id"):
                     return line.split(":", 1)[1].strip()

@@ -48,7 +48,7 @@ def test_trainer_with_onednn_linears_trains_like_f_linear_within_1e_4(calls) -> 
 
 @pytest.fixture
 def vendor(monkeypatch):
-    """Pretend to run on an x86 CPU of the vendor the test sets (`set(vendor_id)`)."""
+    """Pretend to run on an x86 CPU whose vendor the test names: `vendor("AuthenticAMD")`."""
     from furlong.core import onednn
 
     monkeypatch.setattr(onednn.platform, "machine", lambda: "x86_64")
@@ -69,12 +69,15 @@ def test_auto_is_on_where_mkl_is_slow_and_bad_values_are_refused(vendor, cpu: st
         onednn_linear.wanted("yes", torch.device("cpu"))
 
 
-def test_the_cpu_vendor_is_read_from_proc_cpuinfo() -> None:
+def test_the_cpu_vendor_is_read_from_cpuinfo(tmp_path) -> None:
     from furlong.core import onednn
 
-    with open("/proc/cpuinfo") as f:
-        want = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("vendor_id")), "")
-    assert onednn.cpu_vendor() == want
+    info = tmp_path / "cpuinfo"
+    info.write_text("processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 25\nflags\t\t: fpu avx2\n")
+    assert onednn.cpu_vendor(str(info)) == "AuthenticAMD"
+    info.write_text("processor\t: 0\nFeatures\t: fp asimd\n")  # an ARM CPU's file names no vendor_id
+    assert onednn.cpu_vendor(str(info)) == ""
+    assert onednn.cpu_vendor(str(tmp_path / "missing")) == ""
 
 
 @pytest.mark.parametrize("bias", [True, False])

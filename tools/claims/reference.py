@@ -139,12 +139,18 @@ def _default(field) -> str:
 
 
 def _comments(model: type) -> dict[str, str]:
-    """Trailing `# comments` of a model's field lines: the schema documents fields that way."""
+    """Trailing `# comments` of a model's field lines, or (where a line is too long for one) the block of
+    `# comment` lines right above the field: the schema documents fields those two ways."""
     try:
         source = inspect.getsource(model)
     except (OSError, TypeError):
         return {}
-    return {m.group(1): m.group(2).strip() for m in re.finditer(r"^    (\w+)\s*:[^#\n]*#\s*(.+)$", source, re.M)}
+    above = {
+        m.group(2): " ".join(line.strip().lstrip("#").strip() for line in m.group(1).splitlines())
+        for m in re.finditer(r"^((?:    #.*\n)+)    (\w+)\s*:", source, re.M)
+    }
+    trailing = {m.group(1): m.group(2).strip() for m in re.finditer(r"^    (\w+)\s*:[^#\n]*#\s*(.+)$", source, re.M)}
+    return above | trailing
 
 
 def _bounds(field) -> str:
