@@ -110,7 +110,8 @@ class CompiledStep:
         # What varies between steps is dynamic from the first compile: the bucket, the rows' storage
         # (rows, capacity) and the context read; the weights, the pool and the model's sizes stay static.
         # A mark stays on its tensor, so the persistent ones are marked once: a bucket's meta buffer, and
-        # the rows whenever their storage is new (a new generation); 33 marks a step cost ~10% of a bf16 step.
+        # the rows whenever their storage is new (a new generation). Marking all 33 every step and the host's
+        # device context cost ~10% of a bf16 decode step on the AMX Xeon (benchmarks/RESULTS.md, round 15).
         torch._dynamo.mark_dynamic(cols, 0)
         if self._marked.get(id(meta)) != dec.generation:
             for t, dims in ((meta, (1,)), *((t, (0, 2)) for t in dec.k + dec.v)):
