@@ -7,7 +7,7 @@ token ids, random rewards): the trainer's cost does not depend on what the token
 
 What is timed: `Trainer.train_rollout` (old-logprob pass if any, advantages, forward + backward
 of every micro-batch, clip, AdamW) for `--steps` steps after one untimed warm-up step; the
-median step is reported. One row per `--budgets` value (`train.micro_batch_tokens`). The
+median step is reported (`--profile`: a torch.profiler top-10 of one more, untimed step). One row per `--budgets` value (`train.micro_batch_tokens`). The
 roofline counts every processed token (prompt + response), forward and backward
 (3 x the forward's 2·params FLOPs per token, `furlong.train.mfu`), against this run's GEMM peak
 (in bf16 with `--set mixed_precision=bf16`: the matmuls' dtype).
@@ -19,7 +19,7 @@ each once per round: this machine's speed drifts over minutes) and each one's me
 and prints the step-time ratio `against / this`.
 
     python benchmarks/trainer_step.py [--steps 5] [--budgets 512,2048] [--threads 2] [--size m25]
-        [--set KEY=VALUE] [--against KEY=VALUE] [--runs 3]
+        [--set KEY=VALUE] [--against KEY=VALUE] [--runs 3] [--profile]
 
 Last line: `RATIO trainer_of_roofline=<x>` (the first budget's row), with `speedup_vs_against=<y>`
 (its step-time ratio) when `--against` is given.
@@ -50,7 +50,9 @@ def make_samples(n: int, new_tokens: int, seed: int = 0) -> list:
     return out
 
 
-def run(size: str, budget: int, steps: int, n: int, new_tokens: int, extra: dict) -> dict[str, float]:
+def run(
+    size: str, budget: int, steps: int, n: int, new_tokens: int, extra: dict, profile: bool = False
+) -> dict[str, float]:
     import torch
 
     from furlong.config.schema import AlgoConfig, TrainConfig
@@ -67,6 +69,8 @@ def run(size: str, budget: int, steps: int, n: int, new_tokens: int, extra: dict
         trainer.train_rollout(batch)
         if step:  # the first step is the warm-up
             times.append(time.perf_counter() - t0)
+    if profile:  # one more step, untimed: the profiler's own cost stays out of the figures
+        _machine.profile_top10(lambda: trainer.train_rollout(make_samples(n, new_tokens, seed=steps + 1)), "one step")
     tokens = sum(len(s.tokens) for s in batch)
     per_token = mfu.forward_flops_per_token(trainer.policy.config.to_dict())
     step_s = statistics.median(times)
@@ -96,6 +100,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--set", action="append", default=[], help="extra TrainConfig field=value (e.g. compile=true)")
     ap.add_argument("--against", action="append", default=[], help="field=value of a second configuration")
     ap.add_argument("--runs", type=int, default=1, help="runs of each configuration (in rounds); the median run")
+    ap.add_argument(
+        "--profile", action="store_true", default=_machine.profiling(), help="torch.profiler top-10 of one more step"
+    )
     args = ap.parse_args(argv)
     import torch
     from rl_bench import median_rounds
@@ -115,7 +122,9 @@ def main(argv: list[str] | None = None) -> int:
     for budget in [int(b) for b in args.budgets.split(",")]:
         fns = {
             name: (
-                lambda cfg=cfg, budget=budget: run(args.size, budget, args.steps, args.samples, args.new_tokens, cfg)
+                lambda cfg=cfg, budget=budget: run(
+                    args.size, budget, args.steps, args.samples, args.new_tokens, cfg, args.profile
+                )
             )
             for name, cfg in configs.items()
         }

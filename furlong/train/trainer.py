@@ -38,7 +38,7 @@ from torch import Tensor, nn
 
 from furlong.core import spans
 from furlong.core.sample import Sample, SampleError
-from furlong.train import checkpoint, compiled, dist, mfu, onednn_linear, qat, routing_replay
+from furlong.train import checkpoint, compiled, cpu_attention, dist, mfu, onednn_linear, qat, routing_replay
 from furlong.train.batch import Packed, TrainBatch, micro_batches, pack, partition
 from furlong.train.critic import ValueModel
 from furlong.train.hooks import TrainerHooks
@@ -140,6 +140,7 @@ class Trainer:
     def _place(self, model: nn.Module, frozen: bool = False) -> nn.Module:
         model.to(self.device)
         onednn_linear.apply(model, self.cfg.onednn_linear, self.device)  # before sharding (train.onednn_linear)
+        cpu_attention.apply(model, self.device)  # fp32 attention where a CPU backward is slow in bf16
         if frozen:
             model.requires_grad_(False).eval()
         dist.distribute(model, self.device, self.world_size, self.mixed_precision)  # FSDP2, or one-rank autocast
