@@ -68,6 +68,7 @@ def gemm_peak(dtype: torch.dtype = torch.float32, n: int = 1024, seconds: float 
             reps += 1
         out[name] = 2 * n**3 * reps / (time.perf_counter() - t0) / 1e9
     out["peak"] = max(out.values())
+    out["dtype"] = str(dtype).removeprefix("torch.")
     return out
 
 
@@ -97,7 +98,8 @@ def machine_line(info: dict[str, Any]) -> str:
     g = info["gemm"]
     return (
         f"machine: {info['model']}; flags {' '.join(info['flags']) or '-'}; {info['cpus']} cpus, "
-        f"{info['threads']} threads; GEMM peak {g['peak']:.0f} GFLOP/s (MKL {g['mkl']:.0f}, oneDNN {g['onednn']:.0f}); "
+        f"{info['threads']} threads; GEMM peak {g['peak']:.0f} GFLOP/s ({g.get('dtype', 'float32')}: MKL {g['mkl']:.0f}, "
+        f"oneDNN {g['onednn']:.0f}); "
         f"memcpy {info['bandwidth_gbs']:.1f} GB/s; load avg {info['load']:.1f}"
     )
 

@@ -86,7 +86,11 @@ def main(argv: list[str] | None = None) -> int:
         work = Work(size="tiny", prompts=2, group=2, new_tokens=8, steps=1, warmup=1, threads=args.threads, n_train=16)
     if args.env_latency:
         work = dataclasses.replace(work, generate_fn="rl_bench:env_latency_generate")
-    _machine.header()
+    # The GEMM peak in the dtype the systems compute in (bf16 when --set asks for it of the trainer or the engines).
+    import torch
+
+    half = any(s.endswith(("mixed_precision=bf16", "dtype=bfloat16")) for s in args.set)
+    _machine.header(torch.bfloat16 if half else torch.float32)
     print(
         f"work: qwen3-{work.size}, {work.prompts} prompts x {work.group} samples x {work.new_tokens} tokens per step, "
         f"{work.warmup} warm-up + {work.steps} timed steps, {work.threads} threads; workload {work.generate_fn}; "

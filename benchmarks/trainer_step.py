@@ -28,6 +28,7 @@ Last line: `RATIO trainer_of_roofline=<x>` (the first budget's row), with `speed
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import random
 import statistics
@@ -70,7 +71,9 @@ def run(
         if step:  # the first step is the warm-up
             times.append(time.perf_counter() - t0)
     if profile:  # one more step, untimed: the profiler's own cost stays out of the figures
-        _machine.profile_top10(lambda: trainer.train_rollout(make_samples(n, new_tokens, seed=steps + 1)), "one step")
+        _machine.profile_top10(
+            functools.partial(trainer.train_rollout, make_samples(n, new_tokens, steps + 1)), "one step"
+        )
     tokens = sum(len(s.tokens) for s in batch)
     per_token = mfu.forward_flops_per_token(trainer.policy.config.to_dict())
     step_s = statistics.median(times)

@@ -160,6 +160,14 @@ def run_trl(work: Work, continuous: bool = False, bf16: bool = False) -> dict[st
     }
 
 
+def measured(r: dict[str, float]) -> str:
+    """The median run's samples/s, and every run's (sorted) when there were several: the spread shows drift."""
+    runs = r.get("all_samples_per_s", [])
+    return f"{r['samples_per_s']:.2f} samples/s" + (
+        f" (runs {' '.join(f'{x:.2f}' for x in runs)})" if len(runs) > 1 else ""
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=5, help="timed steps per system")
@@ -210,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
         for mode, name in (("sync", "furlong sync"), ("async", "furlong async")):
             extra = (*(BF16 if args.bf16 else ()), *args.set)
             res[name] = median_run(lambda mode=mode, extra=extra: run_furlong(work, mode, extra=extra), runs)
-            print(f"  measured {name}: {res[name]['samples_per_s']:.2f} samples/s", flush=True)
+            print(f"  measured {name}: {measured(res[name])}", flush=True)
     finally:
         shutdown_ray()
     # Last: TRL/accelerate set process-wide state furlong should not inherit. Both TRL generation paths run,
@@ -220,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             trl = lambda c=continuous: run_trl(replace(work, warmup=1), continuous=c, bf16=args.bf16)
             res[name] = median_run(trl, runs)
-            print(f"  measured {name}: {res[name]['samples_per_s']:.2f} samples/s", flush=True)
+            print(f"  measured {name}: {measured(res[name])}", flush=True)
         except Exception as e:  # an option this TRL / transformers build cannot run on CPU: say so, keep going
             failed[name] = f"{type(e).__name__}: {str(e).splitlines()[0][:80] if str(e) else ''}"
             print(f"  {name} failed: {failed[name]}", flush=True)
