@@ -1,14 +1,12 @@
 """The trainer: one rank of FSDP2 training over a HF causal LM.
 
-A plain class, so tests drive it in-process and the Ray actor group later wraps
-one instance per rank. Every rank receives the *whole* global batch and takes
-its own deterministic shard: group-normalised advantages need whole groups,
-every rank can then plan every rank's micro-batches without talking, and the
-global-batch counts are known locally. The loss hub's reducers divide by those
-global counts (`total_tokens`, `total_samples`), so each micro-batch's loss is
-its exact share of the global loss and N ranks × k micro-batches reproduce one
-big batch (tested: accumulation and world size 2 against world size 1). FSDP
-averages gradients over ranks, so each rank backpropagates `loss_mb · world_size`.
+A plain class, so tests drive it in-process and the Ray actor group later wraps one instance per rank. Every
+rank receives the *whole* global batch and takes its own deterministic shard: group-normalised advantages need
+whole groups, every rank can then plan every rank's micro-batches without talking, and the global-batch counts
+are known locally. The loss hub's reducers divide by those global counts (`total_tokens`, `total_samples`), so
+each micro-batch's loss is its exact share of the global loss and N ranks × k micro-batches reproduce one big
+batch (tested: accumulation and world size 2 against world size 1). FSDP averages gradients over ranks, so each
+rank backpropagates `loss_mb · world_size`.
 
 Micro-batches are packed rows (see `batch.py`) under `micro_batch_tokens`; all
 ranks run the same number (a rank short of samples runs a zero-weight dummy) so
