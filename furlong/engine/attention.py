@@ -138,7 +138,8 @@ def decode_attention(m: NativeModel, li: int, q, k, v, b: Batch, dec: DecodeRows
 
 
 def prefill_attention(m: NativeModel, li: int, q, k, v, b: Batch, out: torch.Tensor) -> None:
-    """Causal attention of every prompt chunk, written into `out` at its flat positions."""
+    """Causal attention of every prompt chunk, written into `out` at its flat positions: fresh chunks over
+    this step's keys, chunks after a cached prefix over their whole context in the pool, one call each."""
     g, hd = m.n_heads // m.n_kv, m.head_dim
     pp = b.prefill_plan
     if pp is not None:  # fresh chunks, padded into one call
@@ -147,15 +148,14 @@ def prefill_attention(m: NativeModel, li: int, q, k, v, b: Batch, out: torch.Ten
         vs = v[pp.idx].transpose(1, 2).repeat_interleave(g, dim=1)
         o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=pp.mask, scale=m.scale)
         out[pp.dst] = o.transpose(1, 2).flatten(0, 1).index_select(0, pp.src)
-    kp, vp = m.k_pool[li].view(-1, m.n_kv, hd), m.v_pool[li].view(-1, m.n_kv, hd)
-    for p in b.prefills:
-        if p.cached == 0:
-            continue
-        qs = q[p.start : p.start + p.n].transpose(0, 1)[None]  # [1, H, n, hd]
-        ks, vs = kp.index_select(0, p.ctx_slots), vp.index_select(0, p.ctx_slots)
-        ar = torch.arange(p.cached + p.n, device=q.device)
-        mask = ar[None, :] <= ar[p.cached :, None]
-        ks = ks.transpose(0, 1).repeat_interleave(g, dim=0)[None]
-        vs = vs.transpose(0, 1).repeat_interleave(g, dim=0)[None]
-        o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=m.scale)
-        out[p.start : p.start + p.n] = o[0].transpose(0, 1)
+    cp = b.cached_plan
+    if cp is not None:  # chunks after a cached prefix, padded into one call over their context in the pool
+        P = cp.idx.shape[0]
+        qs = q[cp.idx].transpose(1, 2)  # [P, H, Lq, hd]
+        ks, vs = (
+            pool[li].view(-1, m.n_kv, hd).index_select(0, cp.slots).view(P, -1, m.n_kv, hd).transpose(1, 2)
+            for pool in (m.k_pool, m.v_pool)
+        )
+        ks, vs = ks.repeat_interleave(g, dim=1), vs.repeat_interleave(g, dim=1)
+        o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=cp.mask, scale=m.scale)
+        out[cp.dst] = o.transpose(1, 2).flatten(0, 1).index_select(0, cp.src)

@@ -32,7 +32,7 @@ from furlong.engine.packed import Packed, Rows, placeholder
 from furlong.engine.quantized import QuantizedWeights, QuantProj
 
 if TYPE_CHECKING:
-    from furlong.engine.batching import PrefillPlan
+    from furlong.engine.batching import CachedPlan, PrefillPlan
     from furlong.engine.decode_rows import DecodePlan
 
 NATIVE_ARCHS = {"qwen2", "qwen3", "llama", "mistral", "qwen3_moe", "mixtral"}
@@ -98,6 +98,7 @@ class Batch:
     # a device tensor, so it never waits for the device (`engine/device.py`).
     decode_lens_host: list[int] = field(default_factory=list)  # = decode_lens
     prefill_plan: PrefillPlan | None = None  # fresh prompt chunks padded into one attention call (`batching`)
+    cached_plan: CachedPlan | None = None  # chunks after a cached prefix, likewise, over the pool (`batching`)
     decode_plan: DecodePlan | None = None  # decode rows of this step, set by `NativeModel.prepare` on the host
     lora: list[tuple[str | None, list[int], list[int]]] = field(default_factory=list)  # adapters.lora_groups
 

@@ -129,6 +129,30 @@ def test_prefix_reuse_across_turns():
         eng.stop()
 
 
+def test_several_turns_after_cached_prefixes_in_one_step_match_hf():
+    """Chunks after cached prefixes of other lengths, beside a fresh prompt, share one padded attention call
+    (`batching.CachedPlan`): each one's tokens and log-probs are those of HF on its own."""
+    path = create_model("qwen3", "tiny")
+    eng = Engine(path, kv_cache_mb=2, block_size=4, max_running=8).start()
+    hf = AutoModelForCausalLM.from_pretrained(path).eval()
+    try:
+        firsts = eng.generate([Request(p, greedy(n)) for p, n in zip(PROMPTS, (5, 9, 3, 11))], timeout=60)
+        turns = [p + r.output_ids + tail for p, r, tail in zip(PROMPTS, firsts, ([50], [51, 52, 53], [54, 55], []))]
+        turns[3] = [88, 89, 90, 91, 92]  # a fresh prompt in the same step
+        steps = eng.stats["steps_total"]
+        reqs = [Request(t, greedy(6), return_logprob=True) for t in turns]  # (prompt log-probs would skip the cache)
+        seconds = eng.generate(reqs, timeout=60)
+        assert eng.stats["steps_total"] - steps == 6  # all four prefilled in one step, then decoded together
+        assert [r.cached_prompt_tokens > 0 for r in seconds] == [True, True, True, False]
+        for t, r in zip(turns, seconds):
+            assert r.output_ids == hf_greedy(hf, t, 6)
+            lp = hf_logprobs(hf, t + r.output_ids)
+            want = [lp[len(t) - 1 + i, x].item() for i, x in enumerate(r.output_ids)]
+            assert max(abs(a - b) for a, b in zip(want, r.output_logprobs)) < 1e-4
+    finally:
+        eng.stop()
+
+
 def test_fallback_backend_equals_native():
     path = create_model("llama", "tiny")
     nat = Engine(path, kv_cache_mb=1).start()
