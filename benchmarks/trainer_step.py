@@ -9,8 +9,9 @@ What is timed: `Trainer.train_rollout` (old-logprob pass if any, advantages, for
 of every micro-batch, clip, AdamW) for `--steps` steps after one untimed warm-up step; the
 median step is reported (`--profile`: a torch.profiler top-10 of one more, untimed step). One row
 per `--budgets` value (`train.micro_batch_tokens`). The roofline counts every processed token
-(prompt + response), forward and backward (3 x the forward's 2·params FLOPs per token, `furlong.train.mfu`), against this run's GEMM peak
-(in bf16 with `--set mixed_precision=bf16`: the matmuls' dtype).
+(prompt + response), forward and backward (3 x the forward's 2·params FLOPs per token,
+`furlong.train.mfu`), against this run's GEMM peak (in bf16 with `--set mixed_precision=bf16`: the
+matmuls' dtype).
 
 The same script runs against an older tree (`PYTHONPATH=<old tree>`) to measure a change, or
 against other settings in the same run: `--against KEY=VALUE` (repeatable) runs every budget a
