@@ -10,8 +10,9 @@ projections', so computing it in fp32 costs the casts only, and is the more prec
 How: the model's attention implementation becomes `furlong_cpu_sdpa` (registered with transformers'
 `AttentionInterface`, with the `sdpa` mask function, so masks are built exactly as for `sdpa`): it is
 transformers' own `sdpa_attention_forward`, called with fp32 inputs outside autocast when it would
-otherwise compute in half precision (half inputs, or autocast casting fp32 ones down) and grad is on. Inference-only passes (old log-probs, reference, evaluation) and
-fp32 models take the plain call: a forward alone is faster in bf16 (2.7 against 4.3 ms above).
+otherwise compute in half precision (half inputs, or autocast casting fp32 ones down) and grad is on.
+Inference-only passes (old log-probs, reference, evaluation) and fp32 models take the plain call: a
+forward alone is faster in bf16 (2.7 against 4.3 ms above).
 Only models on a CPU are switched; a CUDA device keeps `sdpa`, whose bf16 kernels are the fast ones.
 """
 
