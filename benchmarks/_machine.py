@@ -98,8 +98,8 @@ def machine_line(info: dict[str, Any]) -> str:
     g = info["gemm"]
     return (
         f"machine: {info['model']}; flags {' '.join(info['flags']) or '-'}; {info['cpus']} cpus, "
-        f"{info['threads']} threads; GEMM peak {g['peak']:.0f} GFLOP/s ({g.get('dtype', 'float32')}: MKL {g['mkl']:.0f}, "
-        f"oneDNN {g['onednn']:.0f}); "
+        f"{info['threads']} threads; GEMM peak {g['peak']:.0f} GFLOP/s "
+        f"({g.get('dtype', 'float32')}: MKL {g['mkl']:.0f}, oneDNN {g['onednn']:.0f}); "
         f"memcpy {info['bandwidth_gbs']:.1f} GB/s; load avg {info['load']:.1f}"
     )
 
