@@ -152,22 +152,26 @@ def busy_per_step(run_dir: Path, start: float, window: float, steps: int) -> dic
 
     Why: on cores the two take turns on, a step can take no less than engine work + trainer work. Measured in
     a sync run, `ceiling` (sync step / that sum) is the most any overlap of the two can gain there; what the
-    rest of a sync step is (tool latency, a step's stragglers) is what async can hide."""
+    rest of a sync step is (tool latency, a step's stragglers) is what async can hide. `engine_prefill_s` and
+    `engine_decode_s` split the engines' seconds (summed over engines) between steps that prefill something
+    (eager, and in agent episodes every turn) and decode-only steps (the compiled step with `engine.compile`)."""
     from furlong.observe.balance import ENGINE_WORK, TRAINER_WORK, _union
     from furlong.observe.reader import RunReader
 
     end = start + window
     spans: dict[str, list[tuple[float, float]]] = {"engine": [], "trainer": []}
+    by_phase = dict.fromkeys(ENGINE_WORK, 0.0)  # engine seconds in steps with a prefill / decode-only steps
     for lane in RunReader(run_dir).timeline(limit=1_000_000)["lanes"]:
         kind = lane["worker"].split("/")[0]
         work = {"engine": ENGINE_WORK, "trainer": TRAINER_WORK}.get(kind, ())
-        spans.get(kind, []).extend(
-            (max(sp["start"], start), min(sp["end"], end))
-            for sp in lane["spans"]
-            if sp["phase"] in work and sp["end"] > start and sp["start"] < end
-        )
+        for sp in lane["spans"]:
+            if sp["phase"] in work and sp["end"] > start and sp["start"] < end:
+                spans[kind].append((max(sp["start"], start), min(sp["end"], end)))
+                if kind == "engine":
+                    by_phase[sp["phase"]] += spans[kind][-1][1] - spans[kind][-1][0]
     busy = {f"{kind}_busy_s": _union(iv) / steps for kind, iv in spans.items()}
-    return {**busy, "ceiling": window / steps / max(1e-9, sum(busy.values()))}
+    phases = {f"engine_{phase}_s": s / steps for phase, s in by_phase.items()}
+    return {**busy, **phases, "ceiling": window / steps / max(1e-9, sum(busy.values()))}
 
 
 def run_furlong(work: Work, mode: str, run_dir: Path | None = None, extra: tuple[str, ...] = ()) -> dict[str, float]:
@@ -237,7 +241,9 @@ def breakdown(name: str, r: dict[str, float]) -> str:
         f" + weight sync {r['weight_sync_s']:5.2f} + other {r['other_s']:5.2f}"
         f"; stale groups regenerated {r.get('stale_regenerations', 0):g}"
         + (
-            f"\n  {'':<15} computing: engines {r['engine_busy_s']:6.2f} s, trainer {r['trainer_busy_s']:6.2f} s a step"
+            f"\n  {'':<15} computing: engines {r['engine_busy_s']:6.2f} s (steps with a prefill "
+            f"{r.get('engine_prefill_s', 0):.2f}, decode-only {r.get('engine_decode_s', 0):.2f}), "
+            f"trainer {r['trainer_busy_s']:6.2f} s a step"
             if "engine_busy_s" in r
             else ""
         )

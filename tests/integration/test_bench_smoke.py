@@ -101,10 +101,15 @@ def test_async_speedup_smoke() -> None:
     assert re.fullmatch(rf"SPEEDUP overlap_vs_sync={FLOAT} async_vs_sync={FLOAT}", lines[-1]), lines[-1]
     for mode in ("sync", "overlap", "async"):
         assert any(re.match(rf"{mode}\s+{FLOAT}\s+{FLOAT}\s+{FLOAT}x$", line) for line in lines), (mode, lines)
-    # each mode's engine and trainer compute, read from its timeline: both did work in the window
-    busy = [re.search(rf"computing: engines\s+{FLOAT} s, trainer\s+{FLOAT} s a step", line) for line in lines]
-    busy = [(float(m.group(1)), float(m.group(2))) for m in busy if m]
-    assert len(busy) == 3 and all(e > 0 and t > 0 for e, t in busy), lines
+    # each mode's engine and trainer compute, read from its timeline: both did work in the window, and the one
+    # engine's seconds split into steps with a prefill and decode-only steps
+    computing = (
+        rf"computing: engines\s+{FLOAT} s \(steps with a prefill {FLOAT}, decode-only {FLOAT}\), trainer\s+{FLOAT}"
+    )
+    busy = [re.search(computing, line) for line in lines]
+    busy = [[float(x) for x in m.group(1, 2, 3, 4)] for m in busy if m]
+    assert len(busy) == 3 and all(e > 0 and t > 0 for e, _, _, t in busy), lines
+    assert all(abs(p + d - e) <= 0.02 for e, p, d, _ in busy), busy
     assert any(re.match(rf"time-shared ceiling: .* = {FLOAT}x", line) for line in lines), lines
 
 
