@@ -285,12 +285,18 @@ class Engine:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
-        self.pool.release(req.blocks)
-        req.blocks, req.hashes, req.n_cached = [], [], 0
+        self._drop_kv(req)
         self.stats["aborted_total" if reason["type"] == "abort" else "finished_total"] += 1
         req.done.set()
         if req.listener:
             req.listener(req, 0, True)
+
+    def _drop_kv(self, req: Request) -> None:
+        """Give back `req`'s KV blocks; its partial tail block stays cached for a request that continues it."""
+        if req.reuse_prefix and req.epoch == self.pool.epoch:
+            self.pool.keep_tail(req.blocks, req.hashes, req.tokens, req.n_cached)
+        self.pool.release(req.blocks)
+        req.blocks, req.hashes, req.n_cached = [], [], 0
 
     def _abort(self, rid: str | None) -> int:
         victims = [r for r in list(self.running) + list(self.waiting) if rid is None or r.rid == rid]
@@ -301,8 +307,7 @@ class Engine:
     def _retract(self, req: Request) -> None:
         """Free a running sequence's KV and put it back at the head of the queue (recompute later)."""
         self.running.remove(req)
-        self.pool.release(req.blocks)
-        req.blocks, req.hashes, req.n_cached = [], [], 0
+        self._drop_kv(req)
         self.waiting.appendleft(req)
 
     def _pause(self, mode: str) -> None:
@@ -353,8 +358,7 @@ class Engine:
                 continue
             toks = r.tokens
             if r.reuse_prefix and not r.blocks:
-                r.blocks, r.hashes = self.pool.match(toks)
-                r.n_cached = len(r.blocks) * self.pool.block_size
+                r.blocks, r.hashes, r.n_cached = self.pool.match(toks)
                 r.epoch = self.pool.epoch
                 if not r.output_ids:
                     r.cached_prompt_tokens = r.n_cached
@@ -371,8 +375,7 @@ class Engine:
                         },
                     )
                     continue
-                self.pool.release(r.blocks)
-                r.blocks, r.hashes, r.n_cached = [], [], 0
+                self._drop_kv(r)
                 break
             self.waiting.popleft()
             prefill.append(r)

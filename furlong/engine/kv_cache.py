@@ -11,6 +11,14 @@ When a request finishes its full blocks stay cached (evictable, LRU) instead
 of being freed, so the next turn of an agent session — whose prompt is the
 previous prompt + response + new text — skips recomputing them.
 
+Its partial *tail* block is kept too (`keep_tail`), named by the hash of the full
+blocks before it and the tokens it holds, and handed over whole to the next request
+that continues those exact tokens (`match`): without it every turn recomputes up to
+`block_size - 1` tokens it already has, which in an agent episode of short turns
+(`benchmarks/async_speedup.py --env-latency`: ~13 tokens a turn, 4 tool tokens
+between) is most of each turn's prefill. A tail is adopted, never shared: the
+adopter writes its next tokens into that block, so the cache forgets it at once.
+
 `prefix_cache=False` (`engine.prefix_cache`, `--no-prefix-cache`) turns reuse off: no
 block is ever named, so every prompt is computed in full — for measuring cold-prefill
 cost, or when cached KV must never be shared between requests.
@@ -33,6 +41,10 @@ class BlockPool:
         self.evictable: OrderedDict[int, None] = OrderedDict()  # ref 0 but holding a cached prefix
         self.hash_of: dict[int, int] = {}
         self.by_hash: dict[int, int] = {}
+        # kept tails by (parent chain hash, tokens they hold): several may follow one parent (a GRPO group's
+        # samples after one shared prompt block); and the way back from a block
+        self.tails: dict[tuple[int, tuple[int, ...]], int] = {}
+        self.tail_of: dict[int, tuple[int, tuple[int, ...]]] = {}
         self.hit_tokens = 0  # prompt tokens served from the prefix cache (for /metrics)
         self.epoch = 0  # bumped by flush(); a sequence admitted in an older epoch never registers
 
@@ -49,7 +61,7 @@ class BlockPool:
             b = self.free.popleft()
         elif self.evictable:
             b, _ = self.evictable.popitem(last=False)
-            self.by_hash.pop(self.hash_of.pop(b), None)
+            self._forget(b)
         else:
             return None
         self.ref[b] = 1
@@ -59,7 +71,7 @@ class BlockPool:
         for b in blocks:
             self.ref[b] -= 1
             if self.ref[b] == 0:
-                if b in self.hash_of:
+                if b in self.hash_of or b in self.tail_of:
                     self.evictable[b] = None
                 else:
                     self.free.append(b)
@@ -79,15 +91,24 @@ class BlockPool:
     def chain(parent: int, tokens: list[int]) -> int:
         return hash((parent, tuple(tokens)))
 
-    def match(self, tokens: list[int]) -> tuple[list[int], list[int]]:
+    def _forget(self, b: int) -> None:
+        """Un-name block `b` (a cached full block or a kept tail): it is about to be reused."""
+        if b in self.hash_of:
+            self.by_hash.pop(self.hash_of.pop(b), None)
+        elif b in self.tail_of:
+            del self.tails[self.tail_of.pop(b)]
+
+    def match(self, tokens: list[int]) -> tuple[list[int], list[int], int]:
         """Take references on the cached blocks that cover a prefix of `tokens`.
 
         Only prefixes of `tokens[:-1]` are matched: the last token must be
-        computed to produce the next-token logits. Returns (blocks, hashes);
-        nothing with the prefix cache off.
+        computed to produce the next-token logits. Returns (blocks, hashes, tokens
+        cached): the full blocks, then a kept tail block when one continues them with
+        tokens that `tokens` has next (adopted: it leaves the cache). Nothing with the
+        prefix cache off.
         """
         if not self.prefix_cache:
-            return [], []
+            return [], [], 0
         bs, blocks, hashes, h = self.block_size, [], [], 0
         for i in range((len(tokens) - 1) // bs):
             h = self.chain(h, tokens[i * bs : (i + 1) * bs])
@@ -99,8 +120,40 @@ class BlockPool:
             self.ref[b] += 1
             blocks.append(b)
             hashes.append(h)
-        self.hit_tokens += len(blocks) * bs
-        return blocks, hashes
+        n, parent = len(blocks) * bs, hashes[-1] if hashes else 0
+        # the longest kept tail after these blocks that `tokens` continues (one lookup per length, longest first)
+        tails = (tuple(tokens[n : n + k]) for k in range(min(bs - 1, len(tokens) - 1 - n), 0, -1))
+        tail = next((t for t in tails if (parent, t) in self.tails), None) if self.tails else None
+        if tail is not None:
+            b = self.tails[(parent, tail)]
+            self._forget(b)
+            self.evictable.pop(b, None)
+            self.ref[b] = 1
+            blocks.append(b)
+            n += len(tail)
+        self.hit_tokens += n
+        return blocks, hashes, n
+
+    def keep_tail(self, blocks: list[int], hashes: list[int], tokens: list[int], n_cached: int) -> None:
+        """Before `blocks` are released: keep the partial tail block, whose first `n_cached % block_size`
+        slots hold the KV of those tokens, for the next request that continues them (`match`).
+
+        Only a tail whose full blocks are all named (`hashes`: same cache epoch) and that nobody else holds; one
+        holding the same tokens after the same full blocks as an older one replaces it (the older is freed)."""
+        bs = self.block_size
+        full, n = divmod(n_cached, bs)
+        if not self.prefix_cache or not n or len(hashes) != full or len(blocks) <= full:
+            return
+        b, parent, held = blocks[full], hashes[-1] if hashes else 0, tuple(tokens[full * bs : n_cached])
+        if self.ref[b] != 1 or b in self.hash_of or b in self.tail_of:
+            return
+        old = self.tails.get((parent, held))
+        if old is not None:  # unreferenced, since a kept tail is adopted, never shared
+            self._forget(old)
+            self.evictable.pop(old, None)
+            self.free.append(old)
+        self.tails[(parent, held)] = b
+        self.tail_of[b] = (parent, held)
 
     def register(self, blocks: list[int], hashes: list[int], tokens: list[int], n_cached: int) -> None:
         """Name every block that became full (all its KV written); extends `hashes` in place.
@@ -127,3 +180,5 @@ class BlockPool:
         self.evictable.clear()
         self.hash_of.clear()
         self.by_hash.clear()
+        self.tails.clear()
+        self.tail_of.clear()

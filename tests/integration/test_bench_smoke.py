@@ -129,3 +129,13 @@ def test_vs_trl_smoke() -> None:
             name,
             lines,
         )
+
+
+@pytest.mark.timeout(300)
+def test_http_overhead_smoke() -> None:
+    """Both uvicorn stacks serve the engine and the router; CPU per request is measured for each."""
+    lines = run_script("http_overhead.py", ("--requests", "20", "--runs", "1"))
+    for stack in ("pure (h11 + asyncio)", "c (httptools + uvloop)"):
+        row = [re.match(rf"{re.escape(stack)}\s+{FLOAT}\s+{FLOAT}$", x) for x in lines]
+        assert any(m and float(m.group(1)) > 0 and float(m.group(2)) > 0 for m in row), (stack, lines)
+    assert re.fullmatch(rf"RATIO engine_cpu_pure_vs_c={FLOAT} router_cpu_pure_vs_c={FLOAT}", lines[-1]), lines[-1]

@@ -21,14 +21,68 @@ def test_block_pool_prefix_match_evict_and_flush():
     assert len(hashes) == 2  # two full blocks named, the partial third is not
     pool.release(blocks)
     assert pool.available == 4 and len(pool.evictable) == 2
-    got, _ = pool.match([1, 2, 3, 4, 9])
-    assert got == blocks[:2] and pool.hit_tokens == 4
+    got, _, n = pool.match([1, 2, 3, 4, 9])
+    assert got == blocks[:2] and n == 4 and pool.hit_tokens == 4
     assert pool.match([1, 2, 3, 4])[0] == blocks[:1]  # the last token is always recomputed
     pool.release(got + blocks[:1])
     assert [pool.alloc() for _ in range(4)] and pool.alloc() is None  # evictable blocks were reused
     assert pool.by_hash == {}
     pool.flush()
     assert pool.epoch == 1
+
+
+def test_block_pool_hands_a_kept_tail_block_to_the_request_that_continues_it():
+    pool = BlockPool(num_blocks=6, block_size=4)
+    toks = [1, 2, 3, 4, 5, 6, 7]  # KV of the first 6: one full block, a tail holding [5, 6]
+    blocks, hashes = [pool.alloc(), pool.alloc()], []
+    pool.register(blocks, hashes, toks, n_cached=6)
+    pool.keep_tail(blocks, hashes, toks, n_cached=6)
+    pool.release(blocks)
+    assert pool.available == 6 and set(pool.evictable) == set(blocks)
+    assert pool.match([1, 2, 3, 4, 5, 9, 9])[2] == 4  # other tokens after the full block: no tail
+    pool.release([blocks[0]])
+    assert pool.match([1, 2, 3, 4, 5, 6])[2] == 4  # the tail would leave no token to compute
+    pool.release([blocks[0]])
+    got, got_hashes, n = pool.match([1, 2, 3, 4, 5, 6, 7, 8, 9])
+    assert (got, n, len(got_hashes)) == (blocks, 6, 1) and pool.ref[blocks[1]] == 1
+    assert pool.tails == {} and blocks[1] not in pool.evictable  # adopted, so it is the adopter's alone
+    assert pool.match([1, 2, 3, 4, 5, 6, 7])[2] == 4  # a second request finds the full block only
+    pool.release(got + [blocks[0]])
+    # Tails of other tokens after the same full block are kept side by side (a GRPO group's samples); the same
+    # tokens again replace the older (freed); a tail someone else still holds is never kept.
+    a = [blocks[0], pool.alloc()]
+    pool.share([blocks[0]])
+    pool.keep_tail(a, hashes, [1, 2, 3, 4, 5], n_cached=5)
+    pool.release(a)
+    b = [blocks[0], pool.alloc()]
+    pool.share([blocks[0]])
+    pool.keep_tail(b, hashes, [1, 2, 3, 4, 8, 8], n_cached=6)
+    pool.release(b)
+    assert pool.tails == {(hashes[0], (5,)): a[1], (hashes[0], (8, 8)): b[1]}
+    c = [blocks[0], pool.alloc()]
+    pool.share([blocks[0]])
+    pool.keep_tail(c, hashes, [1, 2, 3, 4, 8, 8, 8], n_cached=6)
+    pool.release(c)
+    assert pool.tails[(hashes[0], (8, 8))] == c[1] and b[1] in pool.free
+    d = [blocks[0], pool.alloc()]
+    pool.share([blocks[0], d[1]])  # its tail held twice (a fork's would be copied, but say it were not)
+    pool.keep_tail(d, hashes, [1, 2, 3, 4, 7], n_cached=5)
+    pool.release(d + [d[1]])
+    assert (hashes[0], (7,)) not in pool.tails and d[1] in pool.free
+    assert pool.match([1, 2, 3, 4, 8, 8, 1])[2] == 6 and pool.match([1, 2, 3, 4, 5, 1])[2] == 5
+    assert pool.tails == {} and min(pool.ref) >= 0
+    pool.flush()  # new weights: a kept tail's KV is as stale as a full block's
+    assert pool.tails == {} and pool.tail_of == {}
+
+
+def test_block_pool_evicts_a_kept_tail_like_any_cached_block():
+    pool = BlockPool(num_blocks=2, block_size=4)
+    blocks, hashes = [pool.alloc(), pool.alloc()], []
+    pool.register(blocks, hashes, [1, 2, 3, 4, 5, 6], n_cached=5)
+    pool.keep_tail(blocks, hashes, [1, 2, 3, 4, 5, 6], n_cached=5)
+    pool.release(blocks)
+    assert pool.alloc() == blocks[0] and pool.alloc() == blocks[1]  # least recently released first
+    assert pool.tails == {} and pool.tail_of == {} and pool.by_hash == {}
 
 
 def test_sampler_top_p_keeps_the_smallest_nucleus():
