@@ -70,6 +70,29 @@ def test_greedy_group_and_forked_logprobs_match_hf(pair):
 
 
 @pytest.mark.timeout(240)
+def test_each_sample_s_next_turn_adopts_its_own_tail_block(pair):
+    """After a sampled group (one prefill, forked), each sample's next turn reuses every token its first turn
+    wrote — full blocks, then its own partial last block, kept when it finished — and decodes what HF
+    decodes from scratch."""
+    eng, hf = pair
+    eng.flush_cache().result(10)
+    firsts = eng.generate([Request(PROMPT_TAIL, sampled(seed)) for seed in range(4)], timeout=60)
+    assert len({tuple(r.output_ids) for r in firsts}) == 4  # (seeded) four contexts, four tails
+    turns = [PROMPT_TAIL + r.output_ids + [50, 51] for r in firsts]  # 23 tokens written, then 2 new ones
+    greedy = SamplingParams(max_new_tokens=4, temperature=0, ignore_eos=True)
+    hits = eng.pool.hit_tokens
+    seconds = eng.generate([Request(t, greedy, return_logprob=True) for t in turns], timeout=60)
+    assert eng.pool.hit_tokens - hits == 4 * 22 and all(r.cached_prompt_tokens == 22 for r in seconds)
+    for t, r in zip(turns, seconds):
+        with torch.no_grad():
+            want = hf.generate(torch.tensor([t]), max_new_tokens=4, min_new_tokens=4, do_sample=False)
+            lp = torch.log_softmax(hf(want).logits[0].float(), -1)
+        assert r.output_ids == want[0, len(t) :].tolist()
+        got = [lp[len(t) - 1 + i, x].item() for i, x in enumerate(r.output_ids)]
+        assert max(abs(a - b) for a, b in zip(got, r.output_logprobs)) < 1e-4
+
+
+@pytest.mark.timeout(240)
 def test_http_generate_with_n_prefills_the_prompt_once(pair):
     """`sampling_params.n` over the real HTTP API: n results, one prefill, n - 1 forks (counted)."""
     eng, _ = pair
