@@ -74,7 +74,7 @@ class Guard:
     """ASGI middleware: the admin token on control paths, and a 500 for one request that raises.
 
     Why plain ASGI, not `@app.middleware("http")`: Starlette's `BaseHTTPMiddleware` wraps every request in a
-    task group and memory streams, ~0.4 ms of the event loop's CPU a request; an agent rollout sends hundreds
+    task group and memory streams, ~0.5 ms of the event loop's CPU a request; an agent rollout sends hundreds
     of short `/generate` calls a second, and on 2 cores that CPU is taken from the engine's own forward."""
 
     def __init__(self, app: Callable, admin_token: str | None = None):
