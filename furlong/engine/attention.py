@@ -22,12 +22,19 @@ if TYPE_CHECKING:
     from furlong.engine.model import Batch, NativeModel
 
 
+def query_mask(lens: torch.Tensor, L: int, dtype: torch.dtype) -> torch.Tensor:
+    """[R, 1, Q, L] additive mask of Q queries a row, each seeing the first `lens[r, q]` key positions of
+    its row: 0 inside, -inf past it."""
+    ar = torch.arange(L, device=lens.device)
+    R, Q = lens.shape
+    return torch.zeros(R, 1, Q, L, dtype=dtype, device=lens.device).masked_fill_(
+        (ar >= lens[:, :, None])[:, None], float("-inf")
+    )
+
+
 def decode_mask(row_lens: torch.Tensor, L: int, dtype: torch.dtype) -> torch.Tensor:
     """[R, 1, 1, L] additive mask: 0 where a row's key position is inside its length, -inf past it."""
-    ar = torch.arange(L, device=row_lens.device)
-    return torch.zeros(row_lens.shape[0], 1, 1, L, dtype=dtype, device=row_lens.device).masked_fill_(
-        (ar[None, :] >= row_lens[:, None])[:, None, None, :], float("-inf")
-    )
+    return query_mask(row_lens[:, None], L, dtype)
 
 
 def fill_rows(m: NativeModel, li: int, dec: DecodeRows, p: DecodePlan, decode_blocks: torch.Tensor) -> None:

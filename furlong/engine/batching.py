@@ -169,7 +169,7 @@ def build_batch(
         seq_of.extend([D + j] * n)
         ctx = slots(r, 0, len(toks), bs)
         write.append(ctx[r.n_cached :])
-        prefills.append(Prefill(start, n, r.n_cached, ctx))
+        prefills.append(Prefill(start, n, r.n_cached, ctx, r.serial))
         if r.input_logprobs is None and r.logprob_start_len >= 0:
             prompt_rows.append((len(rows), n))
             rows.extend(range(start, start + n))

@@ -91,44 +91,58 @@ def experts(m: NativeModel, li: int, h: torch.Tensor) -> torch.Tensor:
 
 
 class CompiledStep:
-    """`graphs.static_decode_step` compiled once (dynamic shapes) for one model; times its compiles."""
+    """One static step (`graphs.static_decode_step`, `mixed_step.static_mixed_step`) compiled once, with
+    dynamic shapes, for one model; times its compiles."""
 
-    def __init__(self, m: NativeModel):
-        from furlong.engine.graphs import static_decode_step
-
+    def __init__(self, m: NativeModel, fn=None, name: str = "decode step"):
+        if fn is None:
+            from furlong.engine.graphs import static_decode_step as fn
         register(m)
-        self.fn = torch.compile(static_decode_step, fullgraph=True)
+        self.fn = torch.compile(fn, fullgraph=True)
+        self.name = name
         self.compile_s = 0.0  # seconds spent in calls that compiled
         self.compiles = 0  # calls that compiled (a new shape class, or the first call)
         self.calls = 0
-        self._marked: dict[int, int] = {}  # id of a meta buffer -> the rows' generation its marks were set for
+        self._marked: set[int] = set()  # ids of the kept input buffers already marked
+        self._rows_generation = -1  # the rows' storage whose dimensions were last marked
 
-    def __call__(self, m: NativeModel, dec, meta: torch.Tensor, L: int) -> torch.Tensor:
+    def __call__(
+        self, m: NativeModel, dec, L: int, inputs: list[tuple[torch.Tensor, tuple[int, ...]]], kept: bool = False
+    ) -> torch.Tensor:
+        """Run the step on `inputs` (each a tensor and its dynamic dims), then a context length L. `kept`: the
+        inputs are buffers kept between calls (a bucket's meta buffer), marked once; else marked every call."""
         from torch._dynamo.utils import compilation_time_metrics
 
-        cols = torch.empty(L, dtype=torch.int8, device=meta.device)  # only its size is read
-        # What varies between steps is dynamic from the first compile: the bucket, the rows' storage
+        cols = torch.empty(L, dtype=torch.int8, device=dec.device)  # only its size is read
+        # What varies between steps is dynamic from the first compile: the batch's sizes, the rows' storage
         # (rows, capacity) and the context read; the weights, the pool and the model's sizes stay static.
         # A mark stays on its tensor, so the persistent ones are marked once: a bucket's meta buffer, and
         # the rows whenever their storage is new (a new generation). Marking all 33 every step and the host's
         # device context cost ~10% of a bf16 decode step on the AMX Xeon (benchmarks/RESULTS.md, round 15).
         torch._dynamo.mark_dynamic(cols, 0)
-        if self._marked.get(id(meta)) != dec.generation:
-            for t, dims in ((meta, (1,)), *((t, (0, 2)) for t in dec.k + dec.v)):
+        if self._rows_generation != dec.generation:
+            for t in dec.k + dec.v:
+                torch._dynamo.mark_dynamic(t, 0)
+                torch._dynamo.mark_dynamic(t, 2)
+            self._rows_generation = dec.generation
+        for t, dims in inputs:
+            if id(t) not in self._marked:
                 for d in dims:
                     torch._dynamo.mark_dynamic(t, d)
-            self._marked[id(meta)] = dec.generation
+                if kept:
+                    self._marked.add(id(t))
         before = _compiled_seconds(compilation_time_metrics)
         t0 = time.perf_counter()
         # No duck sizing: the rows' storage often holds exactly as many rows as the bucket, and an equality
         # guessed from that would recompile the step when the storage grows or a smaller bucket runs.
         with torch.fx.experimental._config.patch(use_duck_shape=False):
-            out = self.fn(m, dec, meta, cols)
+            out = self.fn(m, dec, *(t for t, _ in inputs), cols)
         if _compiled_seconds(compilation_time_metrics) != before:  # this call compiled: count its whole time
             self.compile_s += time.perf_counter() - t0
             self.compiles += 1
             log.info(
-                "decode step compiled in %.1f s (%d so far, %.1f s in all)",
+                "%s compiled in %.1f s (%d so far, %.1f s in all)",
+                self.name,
                 time.perf_counter() - t0,
                 self.compiles,
                 self.compile_s,

@@ -87,19 +87,23 @@ class DecodeRows:
         rows, fill_i, fill_r = self.assign_rows(keys, lens)
         return torch.tensor(rows), fill_i, fill_r
 
-    def assign_rows(self, keys: tuple[int, ...], lens: list[int]) -> tuple[list[int], list[int], list[int]]:
-        """Rows for this step's decoding sequences (batch order), all in [0, D).
+    def assign_rows(
+        self, keys: tuple[int, ...], lens: list[int], adds: list[int] | None = None
+    ) -> tuple[list[int], list[int], list[int]]:
+        """Rows for this step's sequences (batch order), all in [0, D).
 
         Returns (row of each sequence, batch indices to fill from the pool, their rows). A sequence
-        keeps its row when it is in [0, D) and its length follows on from the last step; any other
-        (new, moved, or not following on) is filled from the pool this step.
+        keeps its row when it is in [0, D) and its length follows on from the last step (by its `adds`
+        tokens this step: 1 for a decoding one, the default); any other (new, moved, or not following
+        on) is filled from the pool this step.
         """
         D = len(keys)
         self.reserve(D, max(lens))
+        adds = adds or [1] * D
         keep = {}
         for i, key in enumerate(keys):
             r = self.row_of.get(key)
-            if r is not None and r < D and self.lens[r] + 1 == lens[i]:
+            if r is not None and r < D and self.lens[r] + adds[i] == lens[i]:
                 keep[i] = r
         taken = set(keep.values())
         free = iter(r for r in range(D) if r not in taken)
@@ -114,9 +118,9 @@ class DecodeRows:
         self.row_of = {key: rows[i] for i, key in enumerate(keys)}
         return rows, fill_i, fill_r
 
-    def plan(self, keys: tuple[int, ...], lens: list[int]) -> DecodePlan:
-        """`assign`, and the index tensors attention needs (host tensors: `device.batch_to` moves them)."""
-        rows_list, fill_i, fill_r = self.assign_rows(keys, lens)
+    def plan(self, keys: tuple[int, ...], lens: list[int], adds: list[int] | None = None) -> DecodePlan:
+        """`assign_rows`, and the index tensors attention needs (host tensors: `device.batch_to` moves them)."""
+        rows_list, fill_i, fill_r = self.assign_rows(keys, lens, adds)
         D = len(rows_list)
         inv = None
         row_lens = torch.tensor(lens)

@@ -82,6 +82,8 @@ def run_forward(model: Any, batch: Any, device: torch.device, graphs: Any = None
 
     The model's host-side planning (`prepare`: decode rows) runs first, on the host batch; a
     decode-only step that fits a bucket replays its CUDA graph (`graphs`, `engine.cuda_graphs`)."""
+    if graphs is not None and graphs.fits_mixed(batch):  # prompt chunks over the decode rows (`mixed_step`)
+        return graphs.run_mixed(batch)
     if hasattr(model, "prepare"):
         model.prepare(batch)
     if graphs is not None and graphs.fits(batch):

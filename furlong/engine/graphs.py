@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from furlong.engine import mixed_step
 from furlong.engine.attention import decode_mask, fill_rows, row_slots, rows_attention, write_rows
 from furlong.engine.compiled_step import CompiledStep
 from furlong.engine.device import batch_to
@@ -96,6 +97,11 @@ class DecodeGraphs:
         `torch.compile` (`engine.compile`, `compiled_step.py`); neither: run it eagerly (tests)."""
         self.m, self.scratch, self.capture = model, scratch_slot, capture
         self.compiled = CompiledStep(model) if compiled and not capture else None
+        # steps with short prompt chunks, over the rows (`mixed_step`): compiled, or (tests) run eagerly
+        self.mixed = (
+            CompiledStep(model, mixed_step.static_mixed_step, "mixed step") if compiled and not capture else None
+        )
+        self.mixed_steps = 0
         self.device = model.k_pool[0].device
         self.buckets = buckets(max(max_running, 2 if compiled else 1))
         self.meta: dict[int, torch.Tensor] = {}  # bucket -> static [7, B] index buffer
@@ -122,6 +128,15 @@ class DecodeGraphs:
             and (ad is None or getattr(ad, "policy", None) is None)
             and self.bucket(b.n_decode) is not None
         )
+
+    def fits_mixed(self, b: Batch) -> bool:
+        """A step with prompt chunks that `mixed_step` runs over the rows (not under CUDA graphs, whose
+        fixed shapes it does not have)."""
+        return not self.capture and mixed_step.fits(b, getattr(self.m, "adapters", None))
+
+    def run_mixed(self, b: Batch) -> tuple[torch.Tensor, None]:
+        """(logits, no routes) of a host batch that `fits_mixed` (`mixed_step.run`)."""
+        return mixed_step.run(self, b)
 
     def _host_meta(self, b: Batch, B: int) -> torch.Tensor:
         D, p = b.n_decode, b.decode_plan
@@ -190,7 +205,7 @@ class DecodeGraphs:
                 for li in range(len(m.layers)):
                     fill_rows(m, li, dec, on, blocks)
             if self.compiled is not None:
-                logits = self.compiled(m, dec, self.meta[B], p.L)
+                logits = self.compiled(m, dec, p.L, [(self.meta[B], (1,))], kept=True)
             elif not self.capture:
                 logits = static_decode_step(m, dec, self.meta[B])
             else:

@@ -70,6 +70,7 @@ class Prefill:
     n: int  # tokens in the chunk
     cached: int  # tokens already in the KV pool before this chunk (reused prefix)
     ctx_slots: torch.Tensor  # [cached + n] pool slots of the whole context
+    key: int = -1  # its request's serial: the row a mixed step gives it stays its decode row (`mixed_step`)
 
 
 @dataclass
@@ -269,21 +270,28 @@ class NativeModel:
         """How MoE blocks compute (`engine.moe.pick_experts`: grouped GEMM or dense), probed once."""
         return pick_experts(self.k_pool[0].dtype, self.k_pool[0].device)
 
-    def prepare(self, b: Batch) -> None:
+    def prepare(self, b: Batch, with_prefills: bool = False) -> None:
         """On the host, before the batch moves to the device: assign this step's decode rows (`b.decode_plan`).
+        `with_prefills`: rows for the prompt chunks too, after the decoding sequences (a mixed step that
+        attends over rows, `mixed_step`); their rows then stay theirs when they decode.
 
         Why here and not in the forward: the row bookkeeping is Python state, and index tensors made
         from it inside the forward would be blocking host-to-device copies; made here they travel with
         the batch (`device.batch_to`, one non-blocking copy each)."""
         if self.is_moe:
             self.experts_kind  # noqa: B018 - the one-off probe runs here, not inside the first forward
-        if not b.n_decode:
+        if not (b.n_decode or with_prefills):
             return
         dec, self.decode_kv = self.decode_kv, None  # set again only if this step completes
         if dec is None:
             pool = self.k_pool[0]
             dec = DecodeRows(len(self.layers), self.n_kv, self.head_dim, pool.dtype, pool.device)
-        b.decode_plan = dec.plan(b.decode_keys, b.decode_lens_host)
+        keys, lens, adds = b.decode_keys, b.decode_lens_host, None
+        if with_prefills:
+            keys += tuple(p.key for p in b.prefills)
+            lens = lens + [p.cached + p.n for p in b.prefills]
+            adds = [1] * b.n_decode + [p.n for p in b.prefills]
+        b.decode_plan = dec.plan(keys, lens, adds)
         self.decode_kv = dec
 
     def _embed(self, ids: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
