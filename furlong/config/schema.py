@@ -181,7 +181,9 @@ class EngineConfig(Section):
     port_base: int = Field(0, ge=0, le=65535)  # engine i listens on port_base + i; 0 = free ports
     device: str = Field("auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$")  # auto: cuda:0 when visible, else cpu
     cuda_graphs: bool = False  # builtin on CUDA: replay decode steps as CUDA graphs, one per batch-size bucket
-    compile: bool = False  # builtin: torch.compile the decode step once per engine process (engine/compiled_step.py)
+    compile: bool = (
+        False  # builtin: torch.compile the decode and mixed steps once per engine process (engine/compiled_step.py)
+    )
 
 
 class RouterConfig(Section):

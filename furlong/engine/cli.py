@@ -33,7 +33,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--compile",
         action="store_true",
-        help="torch.compile the decode step (engine.compile): compiled once, then a faster decode on CPU",
+        help="torch.compile the decode and mixed steps (engine.compile): compiled once, then faster steps on CPU",
     )
     p.add_argument("--kv-cache-mb", type=int, default=256, help="KV cache budget in MiB")
     p.add_argument("--max-running", type=int, default=64, help="most sequences decoded together")

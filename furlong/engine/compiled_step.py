@@ -1,4 +1,4 @@
-"""`engine.compile`: the decode step compiled by `torch.compile` (Inductor), for CPUs.
+"""`engine.compile`: the decode step (and the mixed step) compiled by `torch.compile` (Inductor), for CPUs.
 
 Why: a decode step of a small model on a CPU is a few dense projections and ~200 small
 elementwise ops (RMSNorm, RoPE, SiLU x up, residual adds, KV writes, the attention mask), each a
@@ -19,7 +19,8 @@ stays a copy (and a re-pack) and never recompiles anything.
 
 The first decode step compiles (8-11 s for the 25M-parameter model on 2 cores; logged, and
 counted in `compiles` and `compile_s`). Only decode-only steps that `DecodeGraphs.fits` run here;
-prefill and mixed steps run the eager forward.
+steps with short prompt chunks run `mixed_step.static_mixed_step`, compiled the same way by a second
+`CompiledStep`; the others run the eager forward.
 """
 
 from __future__ import annotations

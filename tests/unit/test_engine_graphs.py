@@ -86,6 +86,7 @@ def test_static_padded_decode_step_equals_the_dynamic_forward(arch):
     print(f"{arch}: largest log-prob gap static vs dynamic {gap:.3g}")
     used = {B for B, n in runner.replays.items() if n}
     assert {1, 2, 4, 8} <= used, runner.replays  # ragged joins and leaves went through several buckets
+    assert runner.mixed_steps == 2  # both waves' prompts, over the rows (`mixed_step`)
     # the packed weights were written in place (engine/packed.py): nothing moved, so no graph would be recaptured
     assert runner.key == before[0] and static.model.held
     assert eager.pool.used == 0 and static.pool.used == 1  # only the scratch block stays taken
@@ -149,6 +150,8 @@ def test_compiled_decode_step_follows_the_dynamic_forward_and_compiles_once(arch
     assert {2, 4, 8} <= {B for B, n in runner.replays.items() if n}, runner.replays
     assert at_update == [1] and runner.compiled.compiles == 2  # the thread count changed at the update
     assert runner.compiled.calls == sum(runner.replays.values()) and runner.compiled.compile_s > 0
+    # both waves' prompts went through the compiled mixed step (`mixed_step`): one compile, before the update
+    assert runner.mixed_steps == runner.mixed.calls == 2 and runner.mixed.compiles == 1, runner.mixed_steps
 
 
 def test_compile_settings_are_checked_and_reach_the_command_line(tiny_model_dir):
@@ -161,3 +164,65 @@ def test_compile_settings_are_checked_and_reach_the_command_line(tiny_model_dir)
     common.update(max_context=None, prefix_cache=True, threads=1, admin_token="t")
     assert "--compile" in engine_argv("builtin", **common, compile_decode=True)
     assert "--compile" not in engine_argv("builtin", **common)
+
+
+def turn_requests(wave: int, before: list[Request]) -> list[Request]:
+    """A long greedy request (first wave only), then agent turns: the first wave's fresh prompts, later
+    waves each continuing one earlier turn (its prompt, its output, then 3 tool tokens: a chunk after a
+    cached prefix), one of them asking for prompt log-probs (every prompt row's logits)."""
+    params = lambda n: SamplingParams(max_new_tokens=n, temperature=0, ignore_eos=True)
+    if wave == 0:
+        long = Request([11, 12, 13, 14, 15], params(30), return_logprob=True)
+        return [long] + [Request([(5 * i + j) % 300 + 7 for j in range(6 + i)], params(4)) for i in range(3)]
+    turns = [r for r in before[-3:]]
+    out = [Request(r.tokens + [40 + wave, 41, 42], params(4), return_logprob=True) for r in turns]
+    out[0].logprob_start_len = 0
+    return out
+
+
+@pytest.mark.timeout(240)
+def test_mixed_steps_over_the_rows_follow_the_dynamic_forward():
+    """`mixed_step`: steps with prompt chunks (fresh prompts, then agent turns resuming a cached context,
+    while a long request decodes) run over the decode rows, one query block a chunk, and every greedy
+    token and log-prob (output and prompt) agrees with the dynamic forward (fp32: SDPA reduces the
+    chunk's causal attention in another order, 1e-5). A chunk keeps its row when it decodes: no decode
+    step gathers a row from the pool. A chunk over `MAX_CHUNK` tokens runs the eager forward."""
+    from furlong.engine import mixed_step
+    from furlong.models import create_model
+
+    path = create_model("qwen3", "tiny")
+    eager, rows = (Engine(path, kv_cache_mb=2, max_running=8, block_size=4, device="cpu") for _ in range(2))
+    runner = DecodeGraphs(rows.model, rows.pool.alloc() * rows.pool.block_size, 8, capture=False)
+    rows.graphs = runner
+    fills, run = [], runner.run
+    runner.run = lambda b: (fills.append(b.decode_plan.fill_len), run(b))[1]
+    reqs: dict[str, list[Request]] = {"eager": [], "rows": []}
+    engines = {"eager": eager, "rows": rows}
+    for wave in range(3):
+        for name, eng in engines.items():
+            for r in turn_requests(wave, reqs[name]):
+                eng._add(r)
+                reqs[name].append(r)
+        for _ in range(5):  # a turn's 4 tokens; the long request goes on decoding
+            for eng in engines.values():
+                eng._step()
+    assert runner.mixed_steps == 3 and fills and not any(fills), (runner.mixed_steps, fills)
+    for name, eng in engines.items():  # a chunk over MAX_CHUNK: the eager forward
+        long_prompt = Request(
+            list(range(5, 5 + mixed_step.MAX_CHUNK + 1)),
+            SamplingParams(max_new_tokens=2, temperature=0, ignore_eos=True),
+        )
+        eng._add(long_prompt)
+        reqs[name].append(long_prompt)
+        while eng.running or eng.waiting:
+            eng._step()
+    assert runner.mixed_steps == 3
+    gap = 0.0
+    for a, b in zip(reqs["eager"], reqs["rows"], strict=True):
+        assert a.output_ids == b.output_ids and len(a.output_ids) == a.params.max_new_tokens
+        pairs = list(zip(a.output_logprobs, b.output_logprobs, strict=True))
+        pairs += [(x, y) for x, y in zip(a.input_logprobs or [], b.input_logprobs or [], strict=True) if x is not None]
+        gap = max([gap] + [abs(x - y) for x, y in pairs])
+    assert reqs["rows"][4].input_logprobs and len(reqs["rows"][4].input_logprobs) == len(reqs["rows"][4].prompt_ids)
+    assert gap <= TOL, gap
+    print(f"largest log-prob gap mixed over rows vs dynamic {gap:.3g}")
