@@ -140,3 +140,14 @@ def test_http_overhead_smoke() -> None:
         row = [re.match(rf"{re.escape(stack)}\s+{FLOAT}\s+{FLOAT}$", x) for x in lines]
         assert any(m and float(m.group(1)) > 0 and float(m.group(2)) > 0 for m in row), (stack, lines)
     assert re.fullmatch(rf"RATIO engine_cpu_pure_vs_c={FLOAT} router_cpu_pure_vs_c={FLOAT}", lines[-1]), lines[-1]
+
+
+@pytest.mark.timeout(300)
+def test_agent_turns_smoke() -> None:
+    """Both configurations run the agent work; only the rows one takes mixed steps over the rows (the script
+    refuses to print a ratio otherwise), and each reports engine seconds in both kinds of step."""
+    lines = run_script("agent_turns.py", ("--runs", "1", "--batches", "1", "--episodes", "8", "--turns", "3"))
+    for mode in ("eager", "rows"):
+        row = [re.match(rf"{mode}\s+{FLOAT}\s+{FLOAT}\s+{FLOAT}$", x) for x in lines]
+        assert any(m and all(float(m.group(i)) > 0 for i in (1, 2, 3)) for m in row), (mode, lines)
+    assert re.fullmatch(rf"RATIO rows_vs_eager_wall={FLOAT} rows_vs_eager_prefill_steps={FLOAT}", lines[-1]), lines[-1]
