@@ -113,7 +113,7 @@ def static_mixed_step(
         kd, vd = dec.k[li], dec.v[li]
         o_rows = rows_attention(m, q.index_select(0, row_tok), kd[:Rp, :, :L], vd[:Rp, :, :L], row_mask)
         qc = q.index_select(0, ch_q).view(Pp, Q, kv, g, hd).transpose(1, 2).reshape(Pp, kv, Q * g, hd)
-        kc, vc = (t.index_select(0, ch_rows)[:, :, :L] for t in (kd, vd))
+        kc, vc = (t[:, :, :L].index_select(0, ch_rows) for t in (kd, vd))  # copies the L columns read
         o_ch = m.attend_rows(qc, kc, vc, chunk_mask, m.scale).view(Pp, kv, Q, g, hd).transpose(1, 2)
         o = torch.cat((o_rows.reshape(Rp, -1), o_ch.reshape(Pp * Q, -1))).index_select(0, tok_out)
         x = m._mlp(li, x + m.proj(f"{li}.o", o), None)
