@@ -11,7 +11,7 @@ min(compute, bandwidth) counting every processed token — prompt and generated
 A "mixed lengths" row gives each request a different `max_new_tokens`, so
 requests finish at different steps, as in real traffic; a "groups" row sends 4 prompts
 x 8 samples (GRPO groups: one prefill per group; greedy, so same token work). `--compile` runs the
-engine's decode step compiled (`engine.compile`); its compile time is printed apart, outside every
+engine's decode and mixed steps compiled (`engine.compile`); their compile time is printed apart, outside every
 timed run (the warm-up compiles). `--profile` prints a
 torch.profiler top-10 of one engine run. Last line:
 `RATIO engine_vs_hf=<x> engine_of_roofline=<y>`.
@@ -107,8 +107,8 @@ def bench_engine(
     try:
         # warm-up, ragged so the batch passes through several buckets (a compiled step compiles here)
         eng.generate([Request(p, sp(4 + i % 8)) for i, p in enumerate(prompts)], timeout=600)
-        if eng.graphs is not None and eng.graphs.compiled is not None:
-            COMPILE_S.append(eng.graphs.compiled.compile_s)
+        if eng.graphs is not None and eng.graphs.compiled is not None:  # the decode and the mixed step
+            COMPILE_S.append(eng.graphs.compiled.compile_s + eng.graphs.mixed.compile_s)
         if profile:  # on this thread: the profiler records the thread that starts it, not the scheduler's
             inline = Engine(path, dtype=dtype, max_running=len(prompts), kv_cache_mb=256, compile_decode=compile_decode)
             step_inline(inline, [Request(p, sp(4)) for p in prompts[:2]])  # warm-up

@@ -81,7 +81,9 @@ def run_forward(model: Any, batch: Any, device: torch.device, graphs: Any = None
     """One step's forward where the engine computes: (logits, routes or None), both on the host.
 
     The model's host-side planning (`prepare`: decode rows) runs first, on the host batch; a
-    decode-only step that fits a bucket replays its CUDA graph (`graphs`, `engine.cuda_graphs`)."""
+    decode-only step that fits a bucket replays its CUDA graph (`graphs`, `engine.cuda_graphs`) or runs
+    compiled (`engine.compile`), and a step with short prompt chunks runs over the rows (`mixed_step`,
+    which plans its own rows)."""
     if graphs is not None and graphs.fits_mixed(batch):  # prompt chunks over the decode rows (`mixed_step`)
         return graphs.run_mixed(batch)
     if hasattr(model, "prepare"):
