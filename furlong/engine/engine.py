@@ -84,7 +84,7 @@ class Engine:
         `device`: `engine.device` (auto | cpu | cuda[:N], see `engine.device`); weights and KV pool live there.
         `quantization`: `engine.quantization` (none | fp8 | mxfp8 | nvfp4 | int4, `engine/quantized.py`).
         `cuda_graphs`: `engine.cuda_graphs`, replay decode steps as CUDA graphs (`engine/graphs.py`; CUDA only).
-        `compile_decode`: `engine.compile`, run decode steps compiled by `torch.compile` (`engine/compiled_step.py`)."""
+        `compile_decode`: `engine.compile`, run decode and mixed steps compiled (`compiled_step.py`, `mixed_step.py`)."""
         from transformers import AutoModelForCausalLM
 
         if dtype not in ("float32", "bfloat16", "float16"):
