@@ -18,9 +18,9 @@ The step is `static_mixed_step`: its inputs are three index tensors of dynamic s
 rows, chunks x their longest chunk), so one compile (`CompiledStep`, `engine.compile`) serves every
 mix. A size of 1 would be specialised by the compile, so rows and chunks are padded to at least 2
 (a padded row or chunk reads row 0 with a one-column mask; its output is dropped). Only steps that
-`fits` take this path: a chunk longer than `MAX_CHUNK` (a fresh long prompt: big products that
-compile would not speed up, and a padded query block that would) runs the eager forward, as do
-routed-expert recording and LoRA adapters.
+`fits` take this path: a chunk longer than `MAX_CHUNK` (a fresh long prompt, whose big products
+gain little from fusion, while its padded query block would cost more) runs the eager forward, as
+do routed-expert recording and LoRA adapters.
 """
 
 from __future__ import annotations
