@@ -133,7 +133,7 @@ class RolloutConfig(Section):
     stale_policy: Literal["drop", "retry"] = "retry"  # a group older than max_staleness
     max_buffer_groups: int | None = Field(
         None, ge=1
-    )  # async back-pressure bound; None -> max(1, max_staleness) batches
+    )  # async back-pressure bound (groups the trainer waits for excepted); None -> max(1, max_staleness) batches
     partial_rollout: bool = False  # abort at a weight sync and resume from the tokens so far
     temperature: float = Field(1.0, ge=0.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)  # nucleus sampling; 1 = off

@@ -8,7 +8,12 @@ function of (prompts, seeds, weight versions): fully async with `max_staleness=0
 then trains exactly the samples sync would, however the requests interleave.
 
 The bound is the back-pressure of fully async mode: the producer waits for space,
-so generation never runs further ahead than `capacity` groups. The buffer's
+so generation never runs further ahead than `capacity` groups beyond those the consumer
+has claimed. A claim (`claim(n)`: the trainer is waiting for the next `n` groups of its
+batch) takes those groups out of the count, because they are about to leave: without it
+a batch's slowest episode, at the head of the queue, would hold every finished group
+behind it in the count and keep the engines idle through that batch's tail, though the
+next window's groups would be exactly as fresh if they started at once. The buffer's
 `state_dict()` holds every group's samples as they stand, partial responses
 included, so a resumed run continues them instead of starting over.
 """
@@ -69,6 +74,7 @@ class GroupBuffer:
         if capacity < 1:
             raise ValueError(f"GroupBuffer: capacity must be >= 1, got {capacity}")
         self.capacity = capacity
+        self.claimed = 0  # groups at the head the consumer is waiting for: they do not count against capacity
         self._groups: deque[Group] = deque()
         self._space = asyncio.Event()
         self._space.set()
@@ -84,17 +90,26 @@ class GroupBuffer:
 
     @property
     def free(self) -> int:
-        return self.capacity - len(self._groups)
+        return self.capacity + self.claimed - len(self._groups)
+
+    def claim(self, n: int) -> None:
+        """The consumer waits for the next `n` groups (0: it waits for none): they stop counting against
+        capacity, so the producer may start up to `n` more."""
+        if n < 0:
+            raise ValueError(f"GroupBuffer.claim: n must be >= 0, got {n}")
+        self.claimed = n
+        if self.free > 0:
+            self._space.set()
 
     async def wait_for_space(self) -> None:
-        """Back-pressure: return once fewer than `capacity` groups are held."""
-        while len(self._groups) >= self.capacity:
+        """Back-pressure: return once fewer than `capacity` unclaimed groups are held."""
+        while self.free <= 0:
             self._space.clear()
             await self._space.wait()
 
     def push(self, group: Group) -> None:
-        if len(self._groups) >= self.capacity:
-            raise RuntimeError(f"GroupBuffer: full ({self.capacity} groups)")
+        if self.free <= 0:
+            raise RuntimeError(f"GroupBuffer: full ({self.capacity} groups, {self.claimed} claimed)")
         if self._groups and group.seq <= self._groups[-1].seq:
             raise RuntimeError(f"GroupBuffer: group seq {group.seq} after {self._groups[-1].seq}")
         self._groups.append(group)

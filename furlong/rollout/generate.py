@@ -50,6 +50,18 @@ def derive_seed(*parts: Any) -> int:
     return int.from_bytes(digest, "big") % (2**31 - 1)
 
 
+def sampling_params(config: RolloutConfig) -> dict[str, Any]:
+    """The `/generate` sampling parameters the `rollout` section sets (the stop strings only when some are)."""
+    c = config
+    params: dict[str, Any] = {
+        "temperature": c.temperature,
+        "top_p": c.top_p,
+        "top_k": c.top_k,
+        "max_new_tokens": c.max_new_tokens,
+    }
+    return params | ({"stop": list(c.stop)} if c.stop else {})
+
+
 def reset_response(sample: Sample) -> Sample:
     """Drop every response token (and its per-token data) so the sample starts again from its prompt."""
     p = sample.prompt_length

@@ -69,7 +69,7 @@ from furlong.data.chat import encode_prompt
 from furlong.rollout.buffer import TERMINAL, Group, GroupBuffer
 from furlong.rollout.eval import evaluate
 from furlong.rollout.filters import apply_sample_filter, check_stalled, group_drop_reason, zero_variance
-from furlong.rollout.generate import RolloutContext, derive_seed, generate, reset_response
+from furlong.rollout.generate import RolloutContext, derive_seed, generate, reset_response, sampling_params
 from furlong.rollout.plugs import PLUG_ARGS, RolloutExhausted, check_given
 from furlong.rollout.rewards import SCORABLE, call, score_group, score_sample, task_reward
 
@@ -77,6 +77,8 @@ if TYPE_CHECKING:
     from furlong.config.schema import EnvsConfig, RolloutConfig
 
 MODES = ("sync", "overlap", "async")
+COUNTED = ("sample_restarts", "partial_aborts", "partial_resumes", "generate_errors", "outage_retries")
+COUNTED += ("reward_errors", "evals")  # the counters `stats()` reports as they stand
 STATE_VERSION = 1
 
 
@@ -177,8 +179,25 @@ class RolloutManager:
         self.client.release()
         if self.mode == "async" and self._producer is None:
             self._producer = asyncio.create_task(self._produce())
-        B, accepted = self.config.rollout_batch_size, []
+        try:
+            accepted = await self._accept(step, self.config.rollout_batch_size)
+        finally:
+            self._claim(0)
+        if self.mode == "sync":
+            await self._stop_generation(cancel=True)
+        elif self.mode == "overlap":
+            self._fill(self.window)  # batch k+1 generates while batch k trains
+        batch = self._emit(accepted, step)
+        if self.reward_post_fn is not None:  # reward shaping over the whole batch, once it is formed
+            for s, r in zip(batch, await call(self.reward_post_fn, batch), strict=True):
+                s.reward = float(r)
+        return batch
+
+    async def _accept(self, step: int, B: int) -> list[Group]:
+        """Take groups off the head, in prompt order, until `B` pass the staleness bound and the filters."""
+        accepted: list[Group] = []
         dropped: Counter[str] = Counter()  # groups dropped since the last one accepted, by reason
+        self._claim(B)
         while len(accepted) < B:
             if self.mode != "async":
                 self._fill(math.ceil((B - len(accepted)) * self.config.over_sampling))
@@ -204,16 +223,15 @@ class RolloutManager:
                 continue
             self._masked.update(await apply_sample_filter(group.samples, self.sample_filter_fn))
             accepted.append(group)
+            self._claim(B - len(accepted))
             dropped.clear()
-        if self.mode == "sync":
-            await self._stop_generation(cancel=True)
-        elif self.mode == "overlap":
-            self._fill(self.window)  # batch k+1 generates while batch k trains
-        batch = self._emit(accepted, step)
-        if self.reward_post_fn is not None:  # reward shaping over the whole batch, once it is formed
-            for s, r in zip(batch, await call(self.reward_post_fn, batch), strict=True):
-                s.reward = float(r)
-        return batch
+        return accepted
+
+    def _claim(self, n: int) -> None:
+        """Fully async under a staleness bound: the `n` groups this batch still waits for stop counting against
+        the buffer's capacity (`GroupBuffer.claim`), so the next window starts during this batch's tail."""
+        if self.mode == "async" and self.bound >= 1:
+            self.buffer.claim(n)
 
     async def before_weight_sync(self) -> None:
         """Stop new requests; with partial rollout, abort ours in flight (they resume afterwards)."""
@@ -251,7 +269,7 @@ class RolloutManager:
         pairs = [(p, self._encode(p)) for p in self.eval_prompts]
         offered = {
             "n_samples": self.config.eval_n_samples,
-            "sampling_params": self._base_params(),
+            "sampling_params": sampling_params(self.config),
             "reward_fn": self.reward_fn or task_reward,
             "generate_fn": self.generate_fn,
             "seed": self.seed,
@@ -294,14 +312,8 @@ class RolloutManager:
             "balanced": taken == trained + filtered + len(self.buffer),
             "regenerated": dict(self._regenerated),
             "samples_masked": dict(self._masked),
-            "sample_restarts": self._counts["sample_restarts"],
-            "partial_aborts": self._counts["partial_aborts"],
-            "partial_resumes": self._counts["partial_resumes"],
-            "generate_errors": self._counts["generate_errors"],
-            "outage_retries": self._counts["outage_retries"],
-            "reward_errors": self._counts["reward_errors"],
+            **{k: self._counts[k] for k in COUNTED},
             "requests": self.client.requests,
-            "evals": self._counts["evals"],
         }
 
     def state_dict(self) -> dict[str, Any]:
@@ -434,18 +446,6 @@ class RolloutManager:
                     g.task = None
 
     # ---- samples ------------------------------------------------------------------
-    def _base_params(self) -> dict[str, Any]:
-        c = self.config
-        params: dict[str, Any] = {
-            "temperature": c.temperature,
-            "top_p": c.top_p,
-            "top_k": c.top_k,
-            "max_new_tokens": c.max_new_tokens,
-        }
-        if c.stop:
-            params["stop"] = list(c.stop)
-        return params
-
     async def _run_group(self, group: Group) -> None:
         await asyncio.gather(*(self._run_sample(group, j) for j in range(len(group.samples))))
         if self.group_reward_fn is not None and all(Status(s.status) in SCORABLE for s in group.samples):
@@ -465,7 +465,7 @@ class RolloutManager:
                     reset_response(s)
                     self._counts["sample_restarts"] += 1
             params = {
-                **self._base_params(),
+                **sampling_params(self.config),
                 "seed": derive_seed(self.seed, group.prompt_index, group.seq, j, s.response_length),
             }
             try:

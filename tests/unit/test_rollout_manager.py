@@ -12,6 +12,7 @@ from furlong.config.schema import RolloutConfig
 from furlong.core.client import EngineClient
 from furlong.core.sample import Status
 from furlong.data import DataSource, Prompt
+from furlong.rollout.generate import generate
 from furlong.rollout.manager import RolloutExhausted, RolloutManager
 
 
@@ -165,6 +166,51 @@ def test_async_backpressure_and_staleness_bound():
         assert st["balanced"] and st["regenerated"].get("stale", 0) >= 1  # groups 2 versions old retried
         await mgr.close()
         assert not engine.active
+
+    asyncio.run(main())
+
+
+@pytest.mark.timeout(60)
+def test_async_next_window_starts_during_a_batch_tail():
+    """The batch's slowest group, at the head of the queue, does not hold the next window back: while the
+    trainer waits for it, the next window's groups generate (as fresh as a moment later: the weights change
+    only after this batch trains), and at the default bound nothing is generated twice."""
+
+    async def main():
+        engine, cfg = FakeEngine(token_delay_s=0.0002), Cfg(mode="async", max_staleness=1)
+        gate = asyncio.Event()
+
+        async def slow_head(ctx, sample, params):
+            if sample.metadata["seq"] == 0:  # the head group's episodes wait on a slow tool
+                await gate.wait()
+            return await generate(ctx, sample, params)
+
+        mgr = make_manager(cfg, engine, generate_fn=slow_head)
+        window = cfg.rollout_batch_size
+        assert mgr.buffer.capacity == window
+        first = asyncio.create_task(mgr.next_batch(0))
+
+        async def next_window_done():
+            while len(mgr.buffer) < 2 * window or sum(g.finished for g in mgr.buffer) < 2 * window - 1:
+                await asyncio.sleep(0.001)
+
+        await asyncio.wait_for(next_window_done(), 30)  # before the fix: held at one window, all waiting
+        await asyncio.sleep(0.02)
+        assert len(mgr.buffer) == 2 * window  # bounded: capacity plus the groups the batch waits for
+        assert [g.seq for g in mgr.buffer] == list(range(2 * window)) and not mgr.buffer[0].finished
+        gate.set()
+        batches = [await first]
+        assert len(mgr.buffer) == window and mgr.buffer.claimed == 0  # back to the bound while it trains
+        await mgr.before_weight_sync()
+        engine.version += 1
+        await mgr.on_weights_updated(engine.version)
+        batches += await drive(mgr, engine, 3, start_step=1)
+        for step, b in enumerate(batches):
+            check_batch(b, cfg, version=step, bound=1)
+        assert {s.metadata["staleness"] for s in batches[1]} == {1}  # made during step 0's wait, on version 0
+        st = mgr.stats()
+        assert st["balanced"] and st["regenerated"] == {} and st["filtered"] == {}
+        await mgr.close()
 
     asyncio.run(main())
 

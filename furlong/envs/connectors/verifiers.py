@@ -201,21 +201,14 @@ async def evaluate(ctx: Any, prompts_: list[Any], step: int = 0) -> dict[str, fl
     from furlong.data.chat import encode_prompt
     from furlong.envs.agent import generate
     from furlong.rollout.eval import evaluate as furlong_evaluate
+    from furlong.rollout.generate import sampling_params
 
     tasks = prompts(options(ctx.envs))[: max(1, len(prompts_))]
-    c = ctx.config
-    params = {
-        "max_new_tokens": c.max_new_tokens,
-        "temperature": c.temperature,
-        "top_p": c.top_p,
-        "top_k": c.top_k,
-        "stop": list(c.stop) or None,
-    }
     return await furlong_evaluate(
         ctx,
         [(p, encode_prompt(ctx.tokenizer, p.prompt)) for p in tasks],
-        n_samples=getattr(c, "eval_n_samples", 1),
-        sampling_params=params,
+        n_samples=getattr(ctx.config, "eval_n_samples", 1),
+        sampling_params=sampling_params(ctx.config),
         reward_fn=_agent_reward,
         generate_fn=generate,
         seed=0,
