@@ -155,7 +155,9 @@ class Run:
         if cfg.algo.teacher_path:
             self.teacher_actor, url = await asyncio.to_thread(build.teacher_engine, cfg, self.run_dir, self.token)
             self.teacher = EngineClient(url, admin_token=self.token)
-        self.client = EngineClient(self.top.router_url, admin_token=self.token)
+        # as many requests in flight as the engines run together: a smaller cap would queue turns the engines have room for
+        inflight = cfg.engine.num_engines * cfg.engine.max_running
+        self.client = EngineClient(self.top.router_url, admin_token=self.token, max_inflight=inflight)
         self.supervisor = build.supervisor(cfg, self.top, self.token, self.run_dir, self.version, self.log.note)
         self.cores = build.core_sharing(cfg, self.top, self.token)
         await self.cores.start()
