@@ -293,8 +293,8 @@ class Engine:
 
     def _drop_kv(self, req: Request) -> None:
         """Give back `req`'s KV blocks; its partial tail block stays cached for a request that continues it."""
-        if req.reuse_prefix and req.epoch == self.pool.epoch:
-            self.pool.keep_tail(req.blocks, req.hashes, req.tokens, req.n_cached)
+        if req.reuse_prefix and self.pool.may_name(req.epoch):
+            self.pool.keep_tail(req.blocks, req.hashes, req.tokens, req.n_cached, req.epoch)
         self.pool.release(req.blocks)
         req.blocks, req.hashes, req.n_cached = [], [], 0
 
@@ -358,8 +358,7 @@ class Engine:
                 continue
             toks = r.tokens
             if r.reuse_prefix and not r.blocks:
-                r.blocks, r.hashes, r.n_cached = self.pool.match(toks)
-                r.epoch = self.pool.epoch
+                r.blocks, r.hashes, r.n_cached, r.epoch = self.pool.match(toks)
                 if not r.output_ids:
                     r.cached_prompt_tokens = r.n_cached
             new = len(toks) - r.n_cached
@@ -420,8 +419,8 @@ class Engine:
         for i, r in enumerate(seqs):
             r.n_cached = len(r.prompt_ids) + len(r.output_ids)
             full = r.n_cached // self.pool.block_size > len(r.hashes)
-            if full and r.reuse_prefix and r.epoch == self.pool.epoch:
-                self.pool.register(r.blocks, r.hashes, r.tokens, r.n_cached)
+            if full and r.reuse_prefix and self.pool.may_name(r.epoch):
+                self.pool.register(r.blocks, r.hashes, r.tokens, r.n_cached, r.epoch)
             r.output_ids.append(tokens[i])
             r.output_logprobs.append(tok_lp[i])
             r.output_versions.append(self.weight_version)
@@ -492,8 +491,10 @@ class Engine:
         apply_named_tensors(self.hf, named, getattr(self.model, "quant", None))
         if hasattr(self.model, "refresh"):
             self.model.refresh(named.keys(), defer=version is None)  # packed once per sync: its stamped last bucket
-        self.pool.flush()
-        self.weight_version = int(version) if version is not None else self.weight_version + 1
+        new, in_place = int(version) if version is not None else self.weight_version + 1, self.paused == "in_place"
+        if not in_place or new != self.weight_version:  # in place (nothing runs between buckets): at the last one
+            self.pool.flush(carry=in_place)  # cached KV no longer matches the weights (kept one update in place)
+        self.weight_version = new
         self.stats["weight_updates_total"] += 1
         spans.record("engine", "weight-apply", t0, time.time(), tensors=len(named), version=self.weight_version)
         return self.weight_version

@@ -19,6 +19,13 @@ that continues those exact tokens (`match`): without it every turn recomputes up
 between) is most of each turn's prefill. A tail is adopted, never shared: the
 adopter writes its next tokens into that block, so the cache forgets it at once.
 
+A weight update forgets every cached prefix: its KV was computed by the old weights. An update
+in place (`engine.pause_mode=in_place`, whose requests in flight already go on over KV of the old
+weights) keeps the prefixes of the epoch that ends for one epoch more (`flush(carry=True)`), so an
+agent episode's next turn reuses its context instead of recomputing it on every sync; each named
+block carries the oldest epoch its KV (its chain included) comes from, so cached KV is never more
+than one update behind.
+
 `prefix_cache=False` (`engine.prefix_cache`, `--no-prefix-cache`) turns reuse off: no
 block is ever named, so every prompt is computed in full — for measuring cold-prefill
 cost, or when cached KV must never be shared between requests.
@@ -27,6 +34,17 @@ cost, or when cached KV must never be shared between requests.
 from __future__ import annotations
 
 from collections import OrderedDict, deque
+from typing import NamedTuple
+
+
+class Match(NamedTuple):
+    """What `BlockPool.match` found: referenced blocks, their chain hashes, the tokens their KV covers,
+    and the oldest cache epoch that KV comes from (the pool's current one when nothing matched)."""
+
+    blocks: list[int]
+    hashes: list[int]
+    n: int
+    epoch: int
 
 
 class BlockPool:
@@ -46,7 +64,9 @@ class BlockPool:
         self.tails: dict[tuple[int, tuple[int, ...]], int] = {}
         self.tail_of: dict[int, tuple[int, tuple[int, ...]]] = {}
         self.hit_tokens = 0  # prompt tokens served from the prefix cache (for /metrics)
-        self.epoch = 0  # bumped by flush(); a sequence admitted in an older epoch never registers
+        self.epoch = 0  # bumped by flush()
+        self.keep_from = 0  # the oldest epoch whose KV may be named (served to another request)
+        self.named_epoch: dict[int, int] = {}  # a named block -> the oldest epoch its KV comes from
 
     @property
     def available(self) -> int:
@@ -93,12 +113,17 @@ class BlockPool:
 
     def _forget(self, b: int) -> None:
         """Un-name block `b` (a cached full block or a kept tail): it is about to be reused."""
+        self.named_epoch.pop(b, None)
         if b in self.hash_of:
             self.by_hash.pop(self.hash_of.pop(b), None)
         elif b in self.tail_of:
             del self.tails[self.tail_of.pop(b)]
 
-    def match(self, tokens: list[int]) -> tuple[list[int], list[int], int]:
+    def may_name(self, epoch: int) -> bool:
+        """Whether KV of `epoch` (a request's oldest) may still be named for others to reuse."""
+        return epoch >= self.keep_from
+
+    def match(self, tokens: list[int]) -> Match:
         """Take references on the cached blocks that cover a prefix of `tokens`.
 
         Only prefixes of `tokens[:-1]` are matched: the last token must be
@@ -108,8 +133,8 @@ class BlockPool:
         prefix cache off.
         """
         if not self.prefix_cache:
-            return [], [], 0
-        bs, blocks, hashes, h = self.block_size, [], [], 0
+            return Match([], [], 0, self.epoch)
+        bs, blocks, hashes, h, oldest = self.block_size, [], [], 0, self.epoch
         for i in range((len(tokens) - 1) // bs):
             h = self.chain(h, tokens[i * bs : (i + 1) * bs])
             b = self.by_hash.get(h)
@@ -120,21 +145,25 @@ class BlockPool:
             self.ref[b] += 1
             blocks.append(b)
             hashes.append(h)
+            oldest = min(oldest, self.named_epoch.get(b, oldest))
         n, parent = len(blocks) * bs, hashes[-1] if hashes else 0
         # the longest kept tail after these blocks that `tokens` continues (one lookup per length, longest first)
         tails = (tuple(tokens[n : n + k]) for k in range(min(bs - 1, len(tokens) - 1 - n), 0, -1))
         tail = next((t for t in tails if (parent, t) in self.tails), None) if self.tails else None
         if tail is not None:
             b = self.tails[(parent, tail)]
+            oldest = min(oldest, self.named_epoch.get(b, oldest))
             self._forget(b)
             self.evictable.pop(b, None)
             self.ref[b] = 1
             blocks.append(b)
             n += len(tail)
         self.hit_tokens += n
-        return blocks, hashes, n
+        return Match(blocks, hashes, n, oldest)
 
-    def keep_tail(self, blocks: list[int], hashes: list[int], tokens: list[int], n_cached: int) -> None:
+    def keep_tail(
+        self, blocks: list[int], hashes: list[int], tokens: list[int], n_cached: int, epoch: int | None = None
+    ) -> None:
         """Before `blocks` are released: keep the partial tail block, whose first `n_cached % block_size`
         slots hold the KV of those tokens, for the next request that continues them (`match`).
 
@@ -154,9 +183,13 @@ class BlockPool:
             self.free.append(old)
         self.tails[(parent, held)] = b
         self.tail_of[b] = (parent, held)
+        self.named_epoch[b] = self.epoch if epoch is None else epoch
 
-    def register(self, blocks: list[int], hashes: list[int], tokens: list[int], n_cached: int) -> None:
-        """Name every block that became full (all its KV written); extends `hashes` in place.
+    def register(
+        self, blocks: list[int], hashes: list[int], tokens: list[int], n_cached: int, epoch: int | None = None
+    ) -> None:
+        """Name every block that became full (all its KV written); extends `hashes` in place. `epoch`: the
+        oldest epoch of the writer's KV (None: this one).
 
         With the prefix cache off no block is named, so a finished request's blocks go
         straight back to the free list instead of lingering as evictable.
@@ -171,14 +204,17 @@ class BlockPool:
             if h not in self.by_hash and b not in self.hash_of:
                 self.by_hash[h] = b
                 self.hash_of[b] = h
+                self.named_epoch[b] = self.epoch if epoch is None else epoch
 
-    def flush(self) -> None:
-        """Forget every cached prefix (after a weight update their KV is stale)."""
+    def flush(self, carry: bool = False) -> None:
+        """Forget the cached prefixes (after a weight update their KV is stale) and start a new epoch.
+
+        `carry`: keep those of the epoch that ends for one epoch more (an update in place); those
+        carried already go. Blocks still in use lose their names and are freed on release."""
         self.epoch += 1
-        for b in list(self.evictable):
-            self.free.append(b)
-        self.evictable.clear()
-        self.hash_of.clear()
-        self.by_hash.clear()
-        self.tails.clear()
-        self.tail_of.clear()
+        self.keep_from = self.epoch - 1 if carry else self.epoch
+        for b in [b for b, e in self.named_epoch.items() if e < self.keep_from]:
+            self._forget(b)
+            if b in self.evictable:
+                del self.evictable[b]
+                self.free.append(b)

@@ -130,6 +130,43 @@ def test_prefix_reuse_across_turns():
         eng.stop()
 
 
+def test_a_weight_update_in_place_keeps_cached_prefixes_for_one_update():
+    """A weight update forgets the cached prefixes, except in place (`pause_mode=in_place`): there the
+    context an agent's next turn continues stays for one update more — reused after one update, recomputed
+    after two (KV matched through it is marked as that old), and forgotten at once by a plain update."""
+    from furlong.engine.quantized import held_state_dict
+
+    path = create_model("llama", "tiny")
+    eng = Engine(path, kv_cache_mb=2, block_size=4).start()
+    same = {"model.norm.weight": held_state_dict(eng.hf, eng.model)["model.norm.weight"].clone()}
+
+    def update(mode: str) -> None:  # a new version (the same values: the outputs stay comparable)
+        eng.pause(mode).result(10)
+        eng.call(lambda: eng.apply_weights(same, eng.weight_version + 1)).result(10)
+        eng.resume().result(10)
+
+    def turn(prompt: list[int]) -> tuple[Request, list[int]]:
+        (r,) = eng.generate([Request(prompt, greedy(6))], timeout=60)
+        return r, prompt + r.output_ids + [50, 51]
+
+    try:
+        first, turn2 = turn(PROMPTS[1])
+        update("in_place")
+        second, turn3 = turn(turn2)
+        assert second.cached_prompt_tokens == len(PROMPTS[1]) + len(first.output_ids) - 1  # carried over
+        fresh, fresh2 = turn(PROMPTS[2])  # computed in the new epoch
+        update("in_place")
+        third, _ = turn(turn3)
+        assert third.cached_prompt_tokens == 0  # its context holds KV from two updates back
+        again, fresh3 = turn(fresh2)
+        assert again.cached_prompt_tokens == len(PROMPTS[2]) + len(fresh.output_ids) - 1
+        update("retract")
+        last, _ = turn(fresh3)
+        assert last.cached_prompt_tokens == 0 and eng.weight_version == 3
+    finally:
+        eng.stop()
+
+
 def test_several_turns_after_cached_prefixes_in_one_step_match_hf():
     """Chunks after cached prefixes of other lengths, beside a fresh prompt, share one padded attention call
     (`batching.CachedPlan`): each one's tokens and log-probs are those of HF on its own."""

@@ -21,7 +21,7 @@ def test_block_pool_prefix_match_evict_and_flush():
     assert len(hashes) == 2  # two full blocks named, the partial third is not
     pool.release(blocks)
     assert pool.available == 4 and len(pool.evictable) == 2
-    got, _, n = pool.match([1, 2, 3, 4, 9])
+    got, _, n, _ = pool.match([1, 2, 3, 4, 9])
     assert got == blocks[:2] and n == 4 and pool.hit_tokens == 4
     assert pool.match([1, 2, 3, 4])[0] == blocks[:1]  # the last token is always recomputed
     pool.release(got + blocks[:1])
@@ -43,7 +43,7 @@ def test_block_pool_hands_a_kept_tail_block_to_the_request_that_continues_it():
     pool.release([blocks[0]])
     assert pool.match([1, 2, 3, 4, 5, 6])[2] == 4  # the tail would leave no token to compute
     pool.release([blocks[0]])
-    got, got_hashes, n = pool.match([1, 2, 3, 4, 5, 6, 7, 8, 9])
+    got, got_hashes, n, _ = pool.match([1, 2, 3, 4, 5, 6, 7, 8, 9])
     assert (got, n, len(got_hashes)) == (blocks, 6, 1) and pool.ref[blocks[1]] == 1
     assert pool.tails == {} and blocks[1] not in pool.evictable  # adopted, so it is the adopter's alone
     assert pool.match([1, 2, 3, 4, 5, 6, 7])[2] == 4  # a second request finds the full block only
@@ -73,6 +73,34 @@ def test_block_pool_hands_a_kept_tail_block_to_the_request_that_continues_it():
     assert pool.tails == {} and min(pool.ref) >= 0
     pool.flush()  # new weights: a kept tail's KV is as stale as a full block's
     assert pool.tails == {} and pool.tail_of == {}
+
+
+def test_block_pool_carries_prefixes_one_update_and_no_further():
+    """An update in place keeps the prefixes of the epoch that ends for one more epoch (an agent's next turn
+    reuses its context); the next update forgets them, and KV matched through them names its blocks with
+    the older epoch, so nothing served from the cache is ever more than one update behind."""
+    pool = BlockPool(num_blocks=8, block_size=2)
+    toks = [1, 2, 3, 4, 5, 6, 7]
+    blocks, hashes = [pool.alloc() for _ in range(4)], []
+    pool.register(blocks, hashes, toks, n_cached=6)
+    pool.release(blocks)
+    pool.flush()  # a plain update: everything goes
+    assert pool.match(toks).n == 0 and pool.available == 8 and not pool.named_epoch
+
+    blocks, hashes = [pool.alloc() for _ in range(4)], []
+    pool.register(blocks, hashes, toks, n_cached=6)  # named in epoch 1
+    pool.release(blocks)
+    pool.flush(carry=True)  # epoch 2: epoch 1's prefixes stay
+    assert pool.may_name(1) and not pool.may_name(0)
+    m = pool.match(toks + [8])
+    assert m.n == 6 and m.epoch == 1  # served, and marked as KV of epoch 1
+    more = m.blocks + [pool.alloc()]
+    pool.register(more, m.hashes, toks + [8, 9], n_cached=8, epoch=m.epoch)  # the extension inherits epoch 1
+    pool.release(more)
+    assert set(pool.named_epoch.values()) == {1}
+    pool.flush(carry=True)  # epoch 3: epoch 1's KV is two updates behind: forgotten, blocks free again
+    assert pool.match(toks + [8, 9, 10]).n == 0 and not pool.named_epoch and pool.available == 8
+    assert not pool.by_hash and not pool.evictable
 
 
 def test_block_pool_evicts_a_kept_tail_like_any_cached_block():
