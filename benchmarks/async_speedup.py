@@ -60,7 +60,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--size", default="m25", choices=("tiny", "small", "m25"))
     ap.add_argument(
-        "--smoke", action="store_true", help="tiny model, 2x2 samples of 8 tokens, 1 timed step: proves the script runs"
+        "--smoke",
+        action="store_true",
+        help="tiny model, 2x2 samples of 32 tokens, 2 timed steps: proves the script runs",
     )
     ap.add_argument("--env-latency", action="store_true", help="episodes with 4 tool calls of 100-300 ms each")
     ap.add_argument("--shared", action="store_true", help="also fully async on time-shared cores (share_cores=true)")
@@ -83,7 +85,9 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
     work = Work(size=args.size, steps=args.steps, warmup=args.warmup, threads=args.threads)
     if args.smoke:
-        work = Work(size="tiny", prompts=2, group=2, new_tokens=8, steps=1, warmup=1, threads=args.threads, n_train=16)
+        # two timed steps: every mode then generates a whole batch inside the window (the second step's: in
+        # overlap and async it starts once the first is taken), long enough to read on the timeline
+        work = Work(size="tiny", prompts=2, group=2, new_tokens=32, steps=2, warmup=1, threads=args.threads, n_train=16)
     if args.env_latency:
         work = dataclasses.replace(work, generate_fn="rl_bench:env_latency_generate")
     # The GEMM peak in the dtype the systems compute in (bf16 when --set asks for it of the trainer or the engines).

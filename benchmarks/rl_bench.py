@@ -241,9 +241,9 @@ def breakdown(name: str, r: dict[str, float]) -> str:
         f" + weight sync {r['weight_sync_s']:5.2f} + other {r['other_s']:5.2f}"
         f"; stale groups regenerated {r.get('stale_regenerations', 0):g}"
         + (
-            f"\n  {'':<15} computing: engines {r['engine_busy_s']:6.2f} s (steps with a prefill "
-            f"{r.get('engine_prefill_s', 0):.2f}, decode-only {r.get('engine_decode_s', 0):.2f}), "
-            f"trainer {r['trainer_busy_s']:6.2f} s a step"
+            f"\n  {'':<15} computing: engines {r['engine_busy_s']:6.3f} s (steps with a prefill "
+            f"{r.get('engine_prefill_s', 0):.3f}, decode-only {r.get('engine_decode_s', 0):.3f}), "
+            f"trainer {r['trainer_busy_s']:6.3f} s a step"
             if "engine_busy_s" in r
             else ""
         )

@@ -1,4 +1,4 @@
-"""The RL benchmarks run end to end at their smallest (`--smoke`: tiny model, 2x2 samples, 1 timed step).
+"""The RL benchmarks run end to end at their smallest (`--smoke`: tiny model, 2x2 samples, a timed step or two).
 
 No timing is asserted: these prove the scripts work, so a recorded figure can be reproduced.
 The window arithmetic they rely on is checked exactly on made-up step logs.
