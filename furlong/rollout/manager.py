@@ -17,8 +17,8 @@ What changes between modes is only who waits for whom (DESIGN §2):
 - **overlap**: when `next_batch` returns, the next batch's prompts are already
   launched, so they generate while the trainer trains. Staleness bound 1 (or
   `max_staleness` if larger).
-- **async**: a producer keeps taking prompts into the bounded buffer (back-pressure:
-  it waits for space) and generating them. Staleness bound `max_staleness`.
+- **async**: a producer keeps taking prompts into the bounded buffer (back-pressure: it waits for space;
+  the groups `next_batch` waits for do not count) and generating them. Staleness bound `max_staleness`.
 
 Ordering and staleness. Groups are consumed in the order their prompts were taken,
 never in the order they finish. A group whose oldest policy token is more than the
