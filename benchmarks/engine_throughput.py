@@ -12,7 +12,10 @@ A "mixed lengths" row gives each request a different `max_new_tokens`, so
 requests finish at different steps, as in real traffic; a "groups" row sends 4 prompts
 x 8 samples (GRPO groups: one prefill per group; greedy, so same token work). `--compile` runs the
 engine's decode and mixed steps compiled (`engine.compile`); their compile time is printed apart, outside every
-timed run (the warm-up compiles). `--profile` prints a
+timed run (the warm-up compiles). A "ceiling" line times the engine's projections alone (its own
+linears on its own weights, every weight once: a decode step of 32 rows, and once over all the prompt
+tokens), the part of the work no change elsewhere in the step can remove, and prints the tok/s a run doing
+nothing else would reach. `--profile` prints a
 torch.profiler top-10 of one engine run. Last line:
 `RATIO engine_vs_hf=<x> engine_of_roofline=<y>`.
 
@@ -69,6 +72,29 @@ def bench_hf(path, prompts, new_tokens, dtype: str = "float32") -> float:
 
 
 COMPILE_S: list[float] = []  # seconds each `--compile` engine spent compiling (in its warm-up)
+FLOOR_S: dict[str, float] = {}  # the projections alone: "prefill" (every prompt token) and "decode" (one step)
+
+
+def projection_floor(model, rows: int, repeats: int = 20) -> float:
+    """Seconds for every dense projection of the engine's model, once, over `rows` token rows (median of
+    `repeats`): the engine's own linears (oneDNN-packed on CPU) on the same weights, with nothing else —
+    no attention, norms, sampler or scheduler. A step over `rows` tokens cannot take less, so this bounds
+    what any engine work on the rest of the step can reach on this machine."""
+    import statistics
+
+    keys = list(model.sources)  # each projection weight once: "0.qkv", "0.o", ..., "lm_head"
+    dtype = model.sources[keys[0]][0].dtype
+    xs = {k: torch.randn(rows, model.sources[k][0].shape[1], dtype=dtype) for k in keys}
+
+    def once() -> float:
+        t0 = time.perf_counter()
+        for k in keys:
+            model.proj(k, xs[k])
+        return time.perf_counter() - t0
+
+    with torch.inference_mode():
+        once()
+        return statistics.median(once() for _ in range(repeats))
 
 
 def bench_engine(
@@ -109,6 +135,10 @@ def bench_engine(
         eng.generate([Request(p, sp(4 + i % 8)) for i, p in enumerate(prompts)], timeout=600)
         if eng.graphs is not None and eng.graphs.compiled is not None:  # the decode and the mixed step
             COMPILE_S.append(eng.graphs.compiled.compile_s + eng.graphs.mixed.compile_s)
+        if not mixed and not groups and not FLOOR_S:  # on the scheduler's thread, between runs
+            n_prompt = sum(map(len, prompts))
+            FLOOR_S["prefill"] = eng.call(lambda: projection_floor(eng.model, n_prompt, 5)).result()
+            FLOOR_S["decode"] = eng.call(lambda: projection_floor(eng.model, len(prompts))).result()
         if profile:  # on this thread: the profiler records the thread that starts it, not the scheduler's
             inline = Engine(path, dtype=dtype, max_running=len(prompts), kv_cache_mb=256, compile_decode=compile_decode)
             step_inline(inline, [Request(p, sp(4)) for p in prompts[:2]])  # warm-up
@@ -267,7 +297,7 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[tuple[str, float | None, str]] = []
     rows.append(
         (
-            "HF generate (batch 32, padded)",
+            f"HF generate (batch {args.prompts}, padded)",
             None if args.skip_hf else bench_hf(path, prompts, args.new_tokens, args.dtype),
             "skipped (--skip-hf)",
         )
@@ -294,14 +324,13 @@ def main(argv: list[str] | None = None) -> int:
                 "",
             )
         )
-    g = info["gemm"]
+    g, hf = info["gemm"], rows[0][1]
     print(
         f"\nroofline {roofline:,.0f} tok/s = min(compute: {g['peak']:.0f} GFLOP/s over 2 x {n_params / 1e6:.1f}M FLOP "
         f"per processed token, prompt included; bandwidth: {info['bandwidth_gbs']:.1f} GB/s over the weights per "
         f"decode step + KV read)\n"
     )
     print(f"{'system':<46}{'tok/s':>10}{'of roofline':>13}{'vs HF':>9}")
-    hf = rows[0][1]
     for name, tps, why in rows:
         if tps is None:
             print(f"{name:<46}{why:>32}")
@@ -309,6 +338,16 @@ def main(argv: list[str] | None = None) -> int:
         vs = f"{tps / hf:.2f}x" if hf else "-"
         print(f"{name:<46}{tps:>10,.0f}{tps / roofline:>12.0%}{vs:>9}")
     print(f"{'roofline min(compute, bandwidth)':<46}{roofline:>10,.0f}{1:>12.0%}")
+    if FLOOR_S:
+        # one prefill step makes the first token of each request, then new_tokens - 1 decode steps
+        floor_s = FLOOR_S["prefill"] + (args.new_tokens - 1) * FLOOR_S["decode"]
+        ceiling = args.prompts * args.new_tokens / floor_s
+        print(
+            f"\nceiling: the engine's projections alone (every weight once a step, its own linears, nothing else) "
+            f"take {FLOOR_S['decode'] * 1e3:.2f} ms a decode step of {args.prompts} rows and "
+            f"{FLOOR_S['prefill'] * 1e3:.1f} ms over the prompts: at most {ceiling:,.0f} tok/s, "
+            f"{ceiling / roofline:.0%} of the roofline" + (f", {ceiling / hf:.2f}x HF" if hf else "")
+        )
     if COMPILE_S:
         print(f"\nengine.compile: {' + '.join(f'{s:.0f}' for s in COMPILE_S)} s compiling, once per engine, untimed")
     print("\n" + _machine.load_line(args.threads, "these figures understate every system"))

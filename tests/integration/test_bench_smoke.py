@@ -151,3 +151,21 @@ def test_agent_turns_smoke() -> None:
         row = [re.match(rf"{mode}\s+{FLOAT}\s+{FLOAT}\s+{FLOAT}$", x) for x in lines]
         assert any(m and all(float(m.group(i)) > 0 for i in (1, 2, 3)) for m in row), (mode, lines)
     assert re.fullmatch(rf"RATIO rows_vs_eager_wall={FLOAT} rows_vs_eager_prefill_steps={FLOAT}", lines[-1]), lines[-1]
+
+
+@pytest.mark.timeout(300)
+def test_engine_throughput_smoke() -> None:
+    """HF and every engine row run; the ceiling line times the engine's projections alone, for the decode step
+    and over the prompts, and turns them into a tok/s bound set against the roofline and HF."""
+    lines = run_script("engine_throughput.py", ("--size", "tiny", "--prompts", "4", "--new-tokens", "8", "--skip-http"))
+    for name in ("HF generate", "furlong engine, in-process", "furlong engine, mixed lengths"):
+        row = [re.match(rf"{re.escape(name)}.*\s([\d,]+)\s+(\d+)%\s+{FLOAT}x$", x) for x in lines]
+        assert any(m for m in row), (name, lines)
+    ceiling = next((x for x in lines if x.startswith("ceiling:")), None)
+    m = ceiling and re.search(
+        rf"take {FLOAT} ms a decode step of 4 rows and {FLOAT} ms over the prompts: at most ([\d,]+) tok/s, "
+        rf"(\d+)% of the roofline, {FLOAT}x HF$",
+        ceiling,
+    )
+    assert m and float(m.group(1)) > 0 and int(m.group(3).replace(",", "")) > 0, ceiling
+    assert re.fullmatch(rf"RATIO engine_vs_hf={FLOAT} engine_of_roofline={FLOAT}", lines[-1]), lines[-1]
