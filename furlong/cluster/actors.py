@@ -52,9 +52,12 @@ class ProcessActor:
         self.proc.stop()
 
 
-@ray.remote
+@ray.remote(concurrency_groups={"control": 1})
 class TrainerActor:
     """One FSDP2 rank. Every rank receives the whole global batch (the trainer shards it itself).
+
+    Its methods run one at a time, on one thread, except `borrow_cores` (the "control" group, a thread
+    of its own), which must reach a rank while it trains.
 
     The actor keeps no weight version: the driver's `WeightVersion` owns it. It keeps only
     whether its weights changed since the last successful push (`dirty`): a replaced engine
@@ -105,8 +108,22 @@ class TrainerActor:
 
     def train_rollout(self, samples: list) -> dict:
         """Optimiser steps on one rollout batch: metrics, time span and (rank 0) per-token provenance."""
+        from furlong.train.threads import LEASE
+
         self.dirty = True
-        return self.trainer.train_rollout(samples)
+        with LEASE.step(self.threads):
+            out = self.trainer.train_rollout(samples)
+        for m in out["metrics"]:
+            m["perf/borrowed_micro_batches"] = float(LEASE.borrowed)  # on cores lent by idle engines
+        return out
+
+    @ray.method(concurrency_group="control")
+    def borrow_cores(self, threads: int) -> None:
+        """The engines have nothing to generate until this step ends: compute on `threads` from the next
+        micro-batch; 0 gives them back (`cluster.borrow_idle_cores`, furlong/train/threads.py)."""
+        from furlong.train.threads import LEASE
+
+        LEASE.lend(threads)
 
     def sft_step(self, samples: list) -> dict[str, float]:
         self.dirty = True

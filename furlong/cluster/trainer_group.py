@@ -70,6 +70,10 @@ class TrainerGroup:
         """Optimiser steps on one rollout batch: {"metrics": [per optimiser step], "span": (t0, t1), provenance}."""
         return await self._await("train_rollout", lambda a: a.train_rollout.remote(samples))
 
+    async def borrow_cores(self, threads: int) -> None:
+        """Every rank computes on `threads` from its next micro-batch on; 0 gives them back."""
+        await self._await("borrow_cores", lambda a: a.borrow_cores.remote(threads))
+
     async def spans(self, since: list[int]) -> list[dict[str, Any]]:
         """Every rank's timeline spans after its cursor (`TrainerActor.spans`), in rank order."""
         refs = [a.spans.remote(c) for a, c in zip(self.actors, since)]

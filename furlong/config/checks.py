@@ -264,6 +264,9 @@ def _check_rollout(cfg: ConfigView, bad: Bad) -> None:
     if cfg.cluster.lend_idle_cores and cfg.cluster.share_cores:
         why = "cluster.lend_idle_cores lends the trainer's share of split cores; cluster.share_cores splits none (choose one)"
         bad(("cluster.lend_idle_cores", "cluster.share_cores"), why)
+    if cfg.cluster.borrow_idle_cores and cfg.cluster.share_cores:
+        why = "cluster.borrow_idle_cores lends the engines' share of split cores; cluster.share_cores splits none (choose one)"
+        bad(("cluster.borrow_idle_cores", "cluster.share_cores"), why)
     no_experts = cfg.model.path is None and cfg.model.arch not in ("qwen3_moe", "mixtral")  # a path: the engine checks
     for field, broken, why in (  # R3 needs experts, engines that record routes, no recompute (routing_replay.py)
         ("model.arch", no_experts, f"model.arch={cfg.model.arch} has no experts"),

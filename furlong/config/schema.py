@@ -316,6 +316,9 @@ class ClusterConfig(Section):
     # async modes with split cores: the engines compute with a sync run's threads (every core) while the trainer
     # waits for a batch, and with their split share while it computes (`/set_threads` around each train step).
     lend_idle_cores: bool = False  # split cores; the trainer's lent to the engines while it waits (docs/async.md)
+    # async modes with split cores: once the engines have generated everything the buffer holds, the trainer computes
+    # with a sync run's threads (every core) from its next micro-batch to the end of its step (docs/async.md).
+    borrow_idle_cores: bool = False  # split cores; the engines' lent to the trainer while they have nothing to do
     no_engine_timeout_s: float = Field(300.0, gt=0)  # no engine (or router) serving this long: the run stops
     # Ray resources a trainer rank / engine must be placed on (a node's custom resource or `node:<ip>`); rank or
     # engine i takes the i-th name, cycling; empty = wherever Ray puts it. See docs/cluster.md.

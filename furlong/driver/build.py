@@ -200,17 +200,21 @@ def supervisor(
 
 
 def core_sharing(cfg: Config, top: Topology, admin_token: str) -> Any:
-    """What happens to the rollout engines around each train step: frozen where the cores are time-shared
-    (`cluster.share_cores` and the threads oversubscribe them), or their lent cores taken back
-    (`cluster.lend_idle_cores`, where an async run splits the cores). A colocated engine has no process of its own."""
+    """What happens to the cores around each train step: the engines frozen where the cores are time-shared
+    (`cluster.share_cores` and the threads oversubscribe them); where an async run splits them, the engines'
+    lent cores taken back (`cluster.lend_idle_cores`) and the trainer lent theirs once they are idle
+    (`cluster.borrow_idle_cores`). A colocated engine has no process of its own."""
     from furlong.cluster.core_sharing import EngineYield
     from furlong.cluster.topology import threads_per_process, time_shared
 
+    c = cfg.cluster
     shape, threads = _cores_shape(cfg)
-    enabled = time_shared(*shape, threads) and not cfg.cluster.colocate
-    idle = threads_per_process(*shape[:3], "sync")  # what the engines get when they take turns with the trainer
-    lend = cfg.cluster.lend_idle_cores and not cfg.cluster.colocate and not enabled and idle > threads
-    return EngineYield(lambda: list(top.engine_urls), admin_token, enabled, (threads, idle) if lend else None)
+    enabled = time_shared(*shape, threads) and not c.colocate
+    idle = threads_per_process(*shape[:3], "sync")  # what each process gets when they take turns on the cores
+    split = not c.colocate and not enabled and idle > threads
+    lend = (threads, idle) if c.lend_idle_cores and split else None
+    borrow = (idle, lambda n: top.trainers.borrow_cores(n)) if c.borrow_idle_cores and split else None
+    return EngineYield(lambda: list(top.engine_urls), admin_token, enabled, lend, borrow)
 
 
 def timeline(cfg: Config, store: Any, top: Topology, model: str) -> Any:

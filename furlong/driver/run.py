@@ -246,7 +246,7 @@ class Run:
                 scored = await score_batch(self.teacher, batch)
         t_gen = time.perf_counter()
         with span("driver", "idle", n, waiting="trainers"):  # the ranks' own lanes show what they did
-            async with self.cores.trainer_computing():  # time-shared cores: the engines freeze meanwhile
+            async with self.cores.trainer_computing(self.manager.engines_idle):  # core sharing, if any
                 trained = await self.trainers.train_rollout(batch)
         per_opt = trained["metrics"]
         check_finite(per_opt, train.max_nonfinite_steps, step, self.log.note)  # stops after N NaN/inf in a row

@@ -156,12 +156,8 @@ class RolloutManager:
 
         self._own_weights = weights is None  # a manager alone (tests, tools) owns its version; in a run the driver does
         self.weights = WeightVersion(initial_version) if weights is None else weights
-        self._next_seq = 0
-        self._groups_emitted = 0
-        self._counts: Counter[str] = Counter()
-        self._filtered: Counter[str] = Counter()
-        self._regenerated: Counter[str] = Counter()
-        self._masked: Counter[str] = Counter()
+        self._next_seq = self._groups_emitted = 0
+        self._counts, self._filtered, self._regenerated, self._masked = (Counter[str]() for _ in range(4))
         self._running = asyncio.Event()  # cleared while weights sync (and in sync mode between steps)
         self._pushed = asyncio.Event()
         self._producer: asyncio.Task | None = None
@@ -173,6 +169,11 @@ class RolloutManager:
         return self.weights.current
 
     # ---- the driver's API --------------------------------------------------
+    def engines_idle(self) -> bool:
+        """No engine work until the next `next_batch`: all groups finished, none in flight, (async) no room."""
+        full = self.mode != "async" or self._exhausted or len(self.buffer) >= self.buffer.capacity
+        return full and not self.client.inflight and all(g.finished for g in self.buffer)
+
     async def next_batch(self, step: int) -> list[Sample]:
         """The next `rollout_batch_size` groups (in prompt order) as one flat list of samples."""
         self._running.set()
@@ -347,10 +348,9 @@ class RolloutManager:
             self.weights.restore(int(state["weight_version"]))
         self._next_seq = int(state["next_seq"])
         self._groups_emitted = int(state["groups_emitted"])
-        self._counts = Counter(state["counts"])
-        self._filtered = Counter(state["filtered"])
-        self._regenerated = Counter(state["regenerated"])
-        self._masked = Counter(state["masked"])
+        self._counts, self._filtered, self._regenerated, self._masked = (
+            Counter(state[k]) for k in ("counts", "filtered", "regenerated", "masked")
+        )
         self.buffer.load_state_dict(state["buffer"])
         self.data_source.load_state_dict(state["data_source"])
 

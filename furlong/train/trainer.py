@@ -43,6 +43,7 @@ from furlong.train.hooks import TrainerHooks
 from furlong.train.lora import adapter_items, apply_lora, lora_dict, merged_items
 from furlong.train.multi_lora import MultiLora
 from furlong.train.optim import build_optimizer, build_scheduler
+from furlong.train.threads import LEASE
 
 if TYPE_CHECKING:
     from furlong.config.schema import AlgoConfig, TrainConfig
@@ -184,7 +185,7 @@ class Trainer:
         """Run `fn` over the batch (each rank its shard) and return the full `[B, T]` result on every rank."""
         B, T = batch.mask.shape
         out = torch.zeros(B, T, device=self.device)
-        for idx in self._plan(batch.seq_lengths):
+        for idx in LEASE.each(self._plan(batch.seq_lengths)):
             if not idx:
                 fn(_DUMMY.to(self.device))
                 continue
@@ -366,7 +367,7 @@ class Trainer:
         for o in optimizers:
             o.zero_grad(set_to_none=True)
         sums: dict[str, float] = defaultdict(float)
-        for j, idx in enumerate(plan):
+        for j, idx in enumerate(LEASE.each(plan)):
             if self.world_size > 1:  # reduce-scatter once, after the last micro-batch
                 for m in self._modules():
                     m.set_requires_gradient_sync(j == len(plan) - 1)

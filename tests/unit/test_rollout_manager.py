@@ -151,7 +151,9 @@ def test_async_backpressure_and_staleness_bound():
         async def train():
             # let the producer run until back-pressure stops it: buffer full, nothing in flight
             while len(mgr.buffer) < 5 or any(not g.finished for g in mgr.buffer):
+                assert not mgr.engines_idle()  # room for a group, or one still generating: the engines have work
                 await asyncio.sleep(0.001)
+            assert mgr.engines_idle() and not mgr.client.inflight  # what lends the trainer their cores
             st = mgr.stats()
             assert st["in_buffer"] == 5 and st["prompts_taken"] == st["groups_trained"] + 5 + sum(
                 st["filtered"].values()

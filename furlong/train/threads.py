@@ -1,0 +1,70 @@
+"""The trainer's CPU threads, raised between micro-batches while the rollout engines have nothing to compute.
+
+`cluster.borrow_idle_cores` (async modes, cores split between trainer and engines): a trainer-bound
+step leaves the engines idle once they have generated the next batch, and their cores with them. The
+driver sees that moment (the buffer full of finished groups, nothing in flight) and lends those cores
+to the trainer (`TrainerActor.borrow_cores`, served on a thread of its own while the step runs); the
+trainer takes them at its next micro-batch and gives them back when the step ends, before the engines
+get work again. Asymmetric on purpose: the engines never compute beside a trainer on borrowed threads,
+whose OpenMP barriers would wait for any thread that lost its core (docs/async.md#borrowed-cores).
+
+Why between micro-batches: OpenMP's thread count is a setting of the thread that starts a parallel
+region, read when it starts, so only the computing thread can change it, and only between regions; a
+micro-batch is the trainer's natural boundary. A compiled layer (`train.compile`) compiles once more for
+the second count (Dynamo guards the thread count, and Inductor writes it into its kernels), then keeps both.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable, Iterator
+from typing import TypeVar
+
+import torch
+
+T = TypeVar("T")
+
+
+class Lease:
+    """One process's trainer threads: its own count, and the count lent to it until the driver takes it back."""
+
+    def __init__(self) -> None:
+        self.base = 0  # the threads the trainer has between lends (set at each step's start)
+        self.lent = 0  # threads lent to the trainer's micro-batches (0: none); written by the control thread
+        self.borrowed = 0  # micro-batches of the current step that ran on lent threads
+
+    def lend(self, threads: int) -> None:
+        """Any thread: compute with `threads` from the next micro-batch on; 0 takes them back.
+
+        The driver lends during a train step and takes back after it, having waited for the lend's answer,
+        so a lend that reaches the rank just before its step starts still counts for that step, and none
+        outlives it."""
+        if threads < 0:
+            raise ValueError(f"Lease.lend: threads must be >= 0, got {threads}")
+        self.lent = threads
+
+    @contextlib.contextmanager
+    def step(self, base: int | None) -> Iterator[None]:
+        """One train step on the computing thread: it starts and ends on `base` threads (None: as they are)."""
+        self.borrowed = 0
+        self.base = base or torch.get_num_threads()
+        _set(self.base)
+        try:
+            yield
+        finally:
+            _set(self.base)
+
+    def each(self, micro_batches: Iterable[T]) -> Iterator[T]:
+        """The micro-batches, each started on the lent threads while there are any."""
+        for item in micro_batches:
+            _set(self.lent or self.base or torch.get_num_threads())
+            self.borrowed += bool(self.lent)
+            yield item
+
+
+def _set(threads: int) -> None:
+    if torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)
+
+
+LEASE = Lease()  # one trainer per process: the thread count is the process's computing thread's
