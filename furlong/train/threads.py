@@ -18,9 +18,10 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterable, Iterator
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import torch
+from torch import Tensor
 
 T = TypeVar("T")
 
@@ -31,16 +32,18 @@ class Lease:
     def __init__(self) -> None:
         self.base = 0  # the threads the trainer has between lends (set at each step's start)
         self.lent = 0  # threads lent to the trainer's micro-batches (0: none); written by the control thread
-        self.borrowed = 0  # micro-batches of the current step that ran on lent threads
+        self.borrowed = 0  # micro-batches of the current step that ran on lent threads, wholly or in part
+        self.armed = False  # a lend has come once: from then on a backward pass may take one mid-way
 
     def lend(self, threads: int) -> None:
-        """Any thread: compute with `threads` from the next micro-batch on; 0 takes them back.
+        """Any thread: compute with `threads` from the next micro-batch (or backward node) on; 0 takes them back.
 
         The driver lends during a train step and takes back after it, having waited for the lend's answer,
         so a lend that reaches the rank just before its step starts still counts for that step, and none
         outlives it."""
         if threads < 0:
             raise ValueError(f"Lease.lend: threads must be >= 0, got {threads}")
+        self.armed = True
         self.lent = threads
 
     @contextlib.contextmanager
@@ -60,6 +63,36 @@ class Lease:
             _set(self.lent or self.base or torch.get_num_threads())
             self.borrowed += bool(self.lent)
             yield item
+
+    def backward(self, loss: Tensor) -> None:
+        """`loss.backward()`, taking a lend that arrives during it before the next autograd node runs.
+
+        A micro-batch's backward is about two thirds of its compute, and a lend waits on average half a
+        micro-batch for the next one to start: each node of the graph (a compiled layer's backward is one)
+        checks the lease first. The checks cost a Python call a node, so only a lease that has been lent to
+        before, and is not lent now, adds them."""
+        if self.armed and not self.lent and loss.grad_fn is not None:
+            for node in _nodes(loss.grad_fn):
+                if node.next_functions:  # not a parameter's AccumulateGrad, which outlives the graph
+                    node.register_prehook(self._take_mid_way)
+        loss.backward()
+
+    def _take_mid_way(self, grad_outputs: Any) -> None:
+        if self.lent and torch.get_num_threads() != self.lent:
+            torch.set_num_threads(self.lent)
+            self.borrowed += 1
+
+
+def _nodes(root: Any) -> Iterator[Any]:
+    """Every node of an autograd graph, once."""
+    seen, todo = {id(root)}, [root]
+    while todo:
+        node = todo.pop()
+        yield node
+        for child, _ in node.next_functions:
+            if child is not None and id(child) not in seen:
+                seen.add(id(child))
+                todo.append(child)
 
 
 def _set(threads: int) -> None:

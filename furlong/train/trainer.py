@@ -377,7 +377,7 @@ class Trainer:
             sub = batch.select(idx)
             with self._span("forward-backward", micro_batch=j, tokens=sum(batch.seq_lengths[i] for i in idx)):
                 loss, metrics, own = loss_fn(sub, pack(sub.samples).to(self.device), totals)
-                (loss * self.world_size).backward()  # FSDP averages gradients over ranks; the loss is a share
+                LEASE.backward(loss * self.world_size)  # FSDP averages gradients over ranks; the loss is a share
             tokens = float(sub.mask.sum())
             sums["loss"] += float(loss.detach())
             sums["_tokens"] += tokens

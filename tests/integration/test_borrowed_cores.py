@@ -53,6 +53,40 @@ def test_a_lease_takes_lent_threads_at_the_next_micro_batch_until_they_are_taken
         torch.set_num_threads(before)
 
 
+def test_a_lend_during_a_backward_pass_is_taken_before_the_next_autograd_node():
+    lease, before, seen = Lease(), torch.get_num_threads(), []
+
+    class Record(torch.autograd.Function):  # each backward notes the threads it ran on
+        @staticmethod
+        def forward(ctx, x):
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, g):
+            seen.append(torch.get_num_threads())
+            return g
+
+    class LendHere(Record):  # the driver's lend, arriving while this node's backward runs
+        @staticmethod
+        def backward(ctx, g):
+            threading.Thread(target=lease.lend, args=(2,)).start()
+            while not lease.lent:
+                pass
+            return g
+
+    try:
+        lease.lend(0)  # lent to once before: armed
+        with lease.step(1):
+            for _ in lease.each(range(1)):
+                x = torch.ones(3, requires_grad=True)
+                lease.backward(Record.apply(LendHere.apply(Record.apply(x))).sum())
+            assert seen == [1, 2] and lease.borrowed == 1 and torch.get_num_threads() == 2
+            assert x.grad.tolist() == [1.0, 1.0, 1.0]
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_borrowing_runs_only_where_an_async_run_splits_the_cores(monkeypatch):
     from furlong.config import ConfigError
     from furlong.driver.build import core_sharing
