@@ -50,8 +50,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 
+from furlong.core import spans
 from furlong.core.client import EngineClient
 
 CONTROL_TIMEOUT_S = 60.0  # one engine's pause / continue
@@ -131,14 +133,14 @@ class _Lender:
     """Watches one train step: once the engines are idle, lends their cores to the trainer (once)."""
 
     def __init__(self, owner: EngineYield, engines_idle: Callable[[], bool]) -> None:
-        self.owner, self.engines_idle, self.sent = owner, engines_idle, False
+        self.owner, self.engines_idle, self.sent, self.lent_at = owner, engines_idle, False, 0.0
         self.task = asyncio.create_task(self._run())
 
     async def _run(self) -> None:
         while not self.engines_idle():
             await asyncio.sleep(IDLE_POLL_S)
         threads, lend_to_trainer = self.owner.borrow
-        self.sent = True
+        self.sent, self.lent_at = True, time.time()
         await lend_to_trainer(threads)
         self.owner.borrows += 1
 
@@ -151,3 +153,4 @@ class _Lender:
             await self.task
             if self.sent:
                 await self.owner.borrow[1](0)
+                spans.record("driver", "cores-lent", self.lent_at, time.time(), threads=self.owner.borrow[0])

@@ -31,7 +31,7 @@ from typing import Any
 
 # Phases the dashboard knows by colour (any other string is accepted and drawn grey), by who records them.
 PHASES = (
-    *("generate", "reward", "filter", "buffer-wait", "idle", "weight-sync", "eval"),  # driver
+    *("generate", "reward", "filter", "buffer-wait", "idle", "weight-sync", "eval", "cores-lent"),  # driver
     *("prefill", "decode", "paused", "weight-apply"),  # engines
     *("route", "retry"),  # router
     *("old-logprob", "ref-logprob", "forward-backward", "optimiser", "checkpoint-save", "weight-push"),  # ranks

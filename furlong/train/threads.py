@@ -69,9 +69,12 @@ class Lease:
 
         A micro-batch's backward is about two thirds of its compute, and a lend waits on average half a
         micro-batch for the next one to start: each node of the graph (a compiled layer's backward is one)
-        checks the lease first. The checks cost a Python call a node, so only a lease that has been lent to
-        before, and is not lent now, adds them."""
-        if self.armed and not self.lent and loss.grad_fn is not None:
+        checks the lease first, and a lend that came during the forward is taken before the backward starts.
+        The checks cost a Python call a node, so only a lease that has been lent to before, and is not lent
+        now, adds them."""
+        if self.lent:  # lent during the forward
+            self._take_mid_way(None)
+        elif self.armed and loss.grad_fn is not None:
             for node in _nodes(loss.grad_fn):
                 if node.next_functions:  # not a parameter's AccumulateGrad, which outlives the graph
                     node.register_prehook(self._take_mid_way)

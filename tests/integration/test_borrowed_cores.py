@@ -83,6 +83,20 @@ def test_a_lend_during_a_backward_pass_is_taken_before_the_next_autograd_node():
             assert seen == [1, 2] and lease.borrowed == 1 and torch.get_num_threads() == 2
             assert x.grad.tolist() == [1.0, 1.0, 1.0]
         assert torch.get_num_threads() == 1
+
+        class LendInForward(Record):  # the lend arrives during the forward: the whole backward takes it
+            @staticmethod
+            def forward(ctx, x):
+                lease.lend(2)
+                return x.clone()
+
+        lease.lend(0)
+        seen.clear()
+        with lease.step(1):
+            for _ in lease.each(range(1)):
+                lease.backward(Record.apply(LendInForward.apply(torch.ones(3, requires_grad=True))).sum())
+            assert seen == [2, 2] and lease.borrowed == 1
+        assert torch.get_num_threads() == 1
     finally:
         torch.set_num_threads(before)
 

@@ -34,7 +34,7 @@ F.fmt = (v, d = 3) => (v === null || v === undefined ? "–" : typeof v === "num
 F.message = (text, cls = "") => (text ? h("div", { class: `message ${cls}` }, text) : document.createTextNode(""));
 F.PHASE_COLORS = { generate: "#4e79a7", reward: "#f28e2b", "ref-logprob": "#76b7b2", "forward-backward": "#e15759", optimiser: "#59a14f", "weight-sync": "#edc948", eval: "#b07aa1", idle: "#dcdcdc",
   prefill: "#2b5d8a", decode: "#7aa6d6", paused: "#c9c9c9", "weight-apply": "#d4b000", "weight-push": "#f0d35c", "old-logprob": "#a8d5d1", "checkpoint-save": "#9c755f",
-  route: "#bab0ac", retry: "#ff4d4d", filter: "#ffbe7d", "buffer-wait": "#e8e8e8", "tool-call": "#ff9da7", "env-step": "#d37295", "sandbox-run": "#8cd17d" };
+  route: "#bab0ac", retry: "#ff4d4d", filter: "#ffbe7d", "buffer-wait": "#e8e8e8", "tool-call": "#ff9da7", "env-step": "#d37295", "sandbox-run": "#8cd17d", "cores-lent": "#f1ce63" };
 F.PALETTE = ["#4e79a7", "#f28e2b", "#e15759", "#76b7b2", "#59a14f", "#edc948", "#b07aa1", "#ff9da7", "#9c755f", "#bab0ac"];
 
 // ------------------------------------------------------------------ line chart
