@@ -9,8 +9,8 @@ Three ways, all off by default:
   computes;
 - **borrowed cores** (`cluster.borrow_idle_cores`): the cores stay split, but once the engines have
   nothing left to generate before the train step ends (the buffer full of finished groups), the
-  trainer computes with every core from its next micro-batch to the end of the step
-  (`TrainerActor.borrow_cores`, furlong/train/threads.py).
+  trainer computes with every core from its next micro-batch (or the next node of its backward pass) to
+  the end of the step (`TrainerActor.borrow_cores`, furlong/train/threads.py).
 
 With `cluster.share_cores=true` an async run gives the trainer and every engine the threads a sync
 run would (`topology.time_shared`: their threads together oversubscribe the cores). Around each train

@@ -246,7 +246,7 @@ class Run:
                 scored = await score_batch(self.teacher, batch)
         t_gen = time.perf_counter()
         with span("driver", "idle", n, waiting="trainers"):  # the ranks' own lanes show what they did
-            async with self.cores.trainer_computing(self.manager.engines_idle):  # core sharing, if any
+            async with self.cores.trainer_computing(self._engines_idle):  # core sharing, if any
                 trained = await self.trainers.train_rollout(batch)
         per_opt = trained["metrics"]
         check_finite(per_opt, train.max_nonfinite_steps, step, self.log.note)  # stops after N NaN/inf in a row
@@ -295,6 +295,10 @@ class Run:
             await asyncio.to_thread(self._save, self.step)
         await self.manager.on_weights_updated(self.version.current)
         return metrics
+
+    def _engines_idle(self) -> bool:
+        """Nothing for any engine to compute until the next batch: no rollout work left, no eval running."""
+        return self.manager.engines_idle() and not (self.background is not None and self.background.busy)
 
     def _checkpoint_due(self) -> bool:
         """Every `checkpoint_every` steps or `checkpoint_every_min` minutes, whichever first (the end saves anyway)."""
