@@ -9,8 +9,10 @@ when they run at the same time). Overlap and async run with `max_staleness=1`. `
 adds a row of fully async with the cores time-shared instead (`cluster.share_cores=true`:
 every process takes a sync run's threads, the engines at lower priority), on the same work. `--lend`
 adds fully async with the cores split but lent (`cluster.lend_idle_cores=true`: the engines compute
-with every core while the trainer waits for a batch, with their share while it computes).
-`--in-place` adds a twin of each fully async row (`async` and any `--shared` / `--lend`) whose weight
+with every core while the trainer waits for a batch, with their share while it computes). `--borrow`
+adds fully async with the cores split but borrowed (`cluster.borrow_idle_cores=true`: the trainer
+computes with every core once the engines have generated the next batch).
+`--in-place` adds a twin of each fully async row (`async` and any `--shared` / `--lend` / `--borrow`) whose weight
 syncs keep the requests in flight and their KV cache (`engine.pause_mode=in_place`, rows `*_inplace`;
 the default, `retract`, recomputes them on the new weights).
 
@@ -28,7 +30,7 @@ by at most that much work; the default warm-up of 2 steps lets the buffer settle
 The machine line (`_machine.header`) is printed first.
 
     python benchmarks/async_speedup.py [--steps 5] [--runs 3] [--warmup 2] [--threads 2] [--size m25]
-        [--env-latency] [--shared] [--lend] [--in-place] [--set KEY=VALUE ...] [--smoke]
+        [--env-latency] [--shared] [--lend] [--borrow] [--in-place] [--set KEY=VALUE ...] [--smoke]
 
 Each mode's breakdown adds the seconds per step its engines and trainer computed (their timeline
 spans), and the sync run gives the time-shared ceiling: sync step / (engine + trainer compute),
@@ -49,6 +51,7 @@ from rl_bench import MODES, Work, breakdown, median_rounds, run_furlong, shutdow
 
 SHARED = ("cluster.share_cores=true",)  # time-shared cores: a sync run's threads each, engines at lower priority
 LENT = ("cluster.lend_idle_cores=true",)  # split cores, the trainer's lent to the engines while it waits
+BORROWED = ("cluster.borrow_idle_cores=true",)  # split cores, the engines' lent to the trainer once they are idle
 IN_PLACE = ("engine.pause_mode=in_place",)  # a weight sync keeps the requests in flight and their KV
 
 
@@ -67,6 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--env-latency", action="store_true", help="episodes with 4 tool calls of 100-300 ms each")
     ap.add_argument("--shared", action="store_true", help="also fully async on time-shared cores (share_cores=true)")
     ap.add_argument("--lend", action="store_true", help="also fully async on lent cores (lend_idle_cores=true)")
+    ap.add_argument("--borrow", action="store_true", help="also fully async, borrowed cores (borrow_idle_cores=true)")
     ap.add_argument(
         "--in-place",
         action="store_true",
@@ -106,6 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = [(mode, mode, given) for mode in MODES]
     rows += [("async_shared", "async", (*SHARED, *given))] if args.shared else []
     rows += [("async_lent", "async", (*LENT, *given))] if args.lend else []
+    rows += [("async_borrowed", "async", (*BORROWED, *given))] if args.borrow else []
     rows += [(f"{n}_inplace", m, (*IN_PLACE, *x)) for n, m, x in rows if m == "async"] if args.in_place else []
     fns = {name: (lambda mode=mode, extra=extra: run_furlong(work, mode, extra=extra)) for name, mode, extra in rows}
     say = lambda name, r: print(f"  measured {name}: {r['samples_per_s']:.2f} samples/s", flush=True)

@@ -1,17 +1,20 @@
-"""The trainer's CPU threads, raised between micro-batches while the rollout engines have nothing to compute.
+"""The trainer's CPU threads, raised mid-step while the rollout engines have nothing to compute.
 
 `cluster.borrow_idle_cores` (async modes, cores split between trainer and engines): a trainer-bound
 step leaves the engines idle once they have generated the next batch, and their cores with them. The
 driver sees that moment (the buffer full of finished groups, nothing in flight) and lends those cores
 to the trainer (`TrainerActor.borrow_cores`, served on a thread of its own while the step runs); the
-trainer takes them at its next micro-batch and gives them back when the step ends, before the engines
+trainer takes them mid-step and gives them back when the step ends, before the engines
 get work again. Asymmetric on purpose: the engines never compute beside a trainer on borrowed threads,
 whose OpenMP barriers would wait for any thread that lost its core (docs/async.md#borrowed-cores).
 
-Why between micro-batches: OpenMP's thread count is a setting of the thread that starts a parallel
-region, read when it starts, so only the computing thread can change it, and only between regions; a
-micro-batch is the trainer's natural boundary. A compiled layer (`train.compile`) compiles once more for
-the second count (Dynamo guards the thread count, and Inductor writes it into its kernels), then keeps both.
+Why between micro-batches and backward nodes: OpenMP's thread count is a setting of the thread that
+starts a parallel region, read when it starts, so only the computing thread can change it, and only
+between regions; the trainer checks the lease where it has control (each micro-batch's start, the
+start of its backward pass, and before each node of that pass). A compiled layer (`train.compile`)
+compiles once more for the second count (Dynamo guards the thread count, and Inductor writes it into its
+kernels), then keeps both; a backward switched mid-way runs the products on the new count and the fused
+elementwise kernels on the count its forward was compiled for.
 """
 
 from __future__ import annotations

@@ -124,8 +124,12 @@ def test_borrowing_runs_only_where_an_async_run_splits_the_cores(monkeypatch):
 
 
 @pytest.mark.timeout(420)
-def test_an_async_trainer_computes_on_the_idle_engines_cores_then_gives_them_back(tmp_path):
+def test_an_async_trainer_computes_on_the_idle_engines_cores_then_gives_them_back(tmp_path, monkeypatch):
     from furlong.driver.run import Run
+
+    # The suite's parallel workers run with OMP_NUM_THREADS=1, which caps every derived thread count (borrowing
+    # included: nothing to lend); this run is the one that asks for two.
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
 
     run_dir = tmp_path / "run"
     cfg = load_config(
