@@ -8,7 +8,7 @@ Three ways, all off by default:
   batch the engines compute with every core (`/set_threads`), and drop back to their share while it
   computes;
 - **borrowed cores** (`cluster.borrow_idle_cores`): the cores stay split, but once the engines have
-  nothing left to generate before the train step ends (the buffer full of finished groups), the
+  nothing left to generate before the train step ends (the buffer full of ended episodes), the
   trainer computes with every core from its next micro-batch (or the next node of its backward pass) to
   the end of the step (`TrainerActor.borrow_cores`, furlong/train/threads.py).
 

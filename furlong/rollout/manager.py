@@ -170,9 +170,9 @@ class RolloutManager:
 
     # ---- the driver's API --------------------------------------------------
     def engines_idle(self) -> bool:
-        """No engine work until the next `next_batch`: all groups finished, none in flight, (async) no room."""
+        """No engine work before the next `next_batch`: every group's task done (a sample between turns looks finished)."""
         full = self.mode != "async" or self._exhausted or len(self.buffer) >= self.buffer.capacity
-        return full and not self.client.inflight and all(g.finished for g in self.buffer)
+        return full and not self.client.inflight and all(g.task is not None and g.task.done() for g in self.buffer)
 
     async def next_batch(self, step: int) -> list[Sample]:
         """The next `rollout_batch_size` groups (in prompt order) as one flat list of samples."""

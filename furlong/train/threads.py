@@ -2,7 +2,7 @@
 
 `cluster.borrow_idle_cores` (async modes, cores split between trainer and engines): a trainer-bound
 step leaves the engines idle once they have generated the next batch, and their cores with them. The
-driver sees that moment (the buffer full of finished groups, nothing in flight) and lends those cores
+driver sees that moment (the buffer full of ended episodes, nothing in flight) and lends those cores
 to the trainer (`TrainerActor.borrow_cores`, served on a thread of its own while the step runs); the
 trainer takes them mid-step and gives them back when the step ends, before the engines
 get work again. Asymmetric on purpose: the engines never compute beside a trainer on borrowed threads,

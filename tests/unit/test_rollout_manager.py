@@ -153,6 +153,8 @@ def test_async_backpressure_and_staleness_bound():
             while len(mgr.buffer) < 5 or any(not g.finished for g in mgr.buffer):
                 assert not mgr.engines_idle()  # room for a group, or one still generating: the engines have work
                 await asyncio.sleep(0.001)
+            while not all(g.task.done() for g in mgr.buffer):  # each group's task ends just after its samples
+                await asyncio.sleep(0.001)
             assert mgr.engines_idle() and not mgr.client.inflight  # what lends the trainer their cores
             st = mgr.stats()
             assert st["in_buffer"] == 5 and st["prompts_taken"] == st["groups_trained"] + 5 + sum(
@@ -168,6 +170,35 @@ def test_async_backpressure_and_staleness_bound():
         assert st["balanced"] and st["regenerated"].get("stale", 0) >= 1  # groups 2 versions old retried
         await mgr.close()
         assert not engine.active
+
+    asyncio.run(main())
+
+
+@pytest.mark.timeout(60)
+def test_engines_are_not_idle_while_an_episode_waits_on_a_tool_between_turns():
+    """Between two turns of an agent episode its sample looks finished (its last request returned) and
+    nothing is in flight, but the episode goes on after the tool call: not idle until the group's task ends."""
+
+    async def main():
+        engine, tool = FakeEngine(), asyncio.Event()
+        cfg = Cfg(mode="async", max_staleness=1, rollout_batch_size=1, n_samples_per_prompt=2)
+
+        async def two_turns(ctx, sample, params):
+            await generate(ctx, sample, {**params, "ignore_eos": True, "max_new_tokens": 2})
+            await tool.wait()  # the tool call
+            return await generate(ctx, sample, {**params, "ignore_eos": True, "max_new_tokens": 4})
+
+        mgr = make_manager(cfg, engine, generate_fn=two_turns)
+        batch = asyncio.create_task(mgr.next_batch(0))
+        while len(mgr.buffer) < 2 or not all(g.finished for g in mgr.buffer) or mgr.client.inflight:
+            await asyncio.sleep(0.001)
+        assert not mgr.engines_idle()  # every first turn done, every episode in its tool call
+        tool.set()
+        assert all(s.response_length == 4 for s in await batch)
+        while not all(g.task.done() for g in mgr.buffer) or len(mgr.buffer) < 1:
+            await asyncio.sleep(0.001)
+        assert mgr.engines_idle()  # the next window's episodes ended too: the buffer holds it, full
+        await mgr.close()
 
     asyncio.run(main())
 
