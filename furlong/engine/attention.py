@@ -106,21 +106,28 @@ DecodeAttention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tens
 def pick_decode_attention(
     dtype: torch.dtype, device: torch.device, n_kv: int, group: int, head_dim: int, rows: int = 32, cols: int = 96
 ) -> DecodeAttention:
-    """The faster of `sdpa_rows` and `bmm_rows` on this machine, timed once on a decode step's shapes.
+    """The fastest of `sdpa_rows`, `bmm_rows` (fp32) and `rows_kernel.native_rows` (bf16 and fp32, where its C
+    kernel builds) on this machine, timed once on a decode step's shapes.
 
     Which one wins depends on the CPU (see each one's docstring), so it is measured rather than
-    assumed: eight interleaved calls each, the best of the last six kept, ~10 ms in all. Only fp32 on a
-    CPU is measured; every other case takes SDPA (`sdpa_rows` says why). Both compute the same
-    attention; they differ in fp32 summation order only (~1e-6). Measured once per process and shapes
-    (cached), so every model a process loads computes the same way."""
-    if dtype != torch.float32 or device.type != "cpu":
+    assumed: eight interleaved calls each, the best of the last six kept, ~10-30 ms in all. Off the
+    CPU, or in a dtype only SDPA computes, SDPA (`sdpa_rows` says why). All compute the same attention;
+    they differ in summation order and exp only (fp32 ~1e-6; bf16 within one rounding of the output).
+    Measured once per process and shapes (cached), so every model a process loads computes the same way."""
+    from furlong.engine import rows_kernel
+
+    best = {sdpa_rows: float("inf")}
+    if device.type == "cpu" and dtype == torch.float32:
+        best[bmm_rows] = float("inf")
+    if device.type == "cpu" and rows_kernel.available(dtype):
+        best[rows_kernel.native_rows] = float("inf")
+    if len(best) == 1:
         return sdpa_rows
     cap = cols + 32  # rows are views into a longer storage, as in the engine
     gen = torch.Generator().manual_seed(0)  # its own: the process's random stream is not touched
-    k, v = (torch.randn(rows, n_kv, cap, head_dim, generator=gen)[:, :, :cols] for _ in range(2))
-    q = torch.randn(rows, n_kv, group, head_dim, generator=gen)
+    k, v = (torch.randn(rows, n_kv, cap, head_dim, generator=gen).to(dtype)[:, :, :cols] for _ in range(2))
+    q = torch.randn(rows, n_kv, group, head_dim, generator=gen).to(dtype)
     mask = decode_mask(torch.randint(cols // 2, cols + 1, (rows,), generator=gen), cols, dtype)
-    best = {sdpa_rows: float("inf"), bmm_rows: float("inf")}
     with torch.inference_mode():
         for i in range(8):  # the first two rounds warm up (allocator, thread pool) and are not counted
             for fn in best:

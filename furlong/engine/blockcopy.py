@@ -9,11 +9,9 @@ cache. 16x16 tiles transposed in AVX-512 registers (16 loads, 64 shuffles, 16 st
 line read and written is used whole. Without AVX-512, AVX2 transposes 16x8 tiles as two 8x8 ones
 (8 loads, 24 shuffles and 8 stores each), so each output row's whole 64-byte line is stored at once.
 
-The kernel is compiled with the system C compiler (`$CC`, else `cc`/`gcc`) and `-march=native`
-into `$FURLONG_CACHE_DIR` (default `~/.cache/furlong`)/kernels, keyed by the source, the
-compiler's answer and this CPU's flags, so a home directory shared between machines never loads a
-binary built for another CPU. A machine without a compiler, or one where the build fails, gets
-None from `kernel()` and the caller keeps PyTorch's copy: the bytes are the same either way
+The kernel is compiled for this CPU on first use (`cbuild.load`: the system C compiler,
+`-march=native`, cached per source and CPU). A machine without a compiler, or one where the build
+fails, gets None from `kernel()` and the caller keeps PyTorch's copy: the bytes are the same either way
 (tests/unit/test_engine_packed.py). The ctypes call releases the GIL; one thread is used because
 the copy is memory-bound (a second thread measured no faster).
 """
@@ -22,18 +20,10 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
-import logging
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
-from pathlib import Path
 
 import torch
 
-log = logging.getLogger(__name__)
+from furlong.engine import cbuild
 
 SOURCE = r"""
 #include <stdint.h>
@@ -123,62 +113,12 @@ void fl_transpose32(const uint32_t* restrict src, uint32_t* restrict dst, long b
 _FUNCTIONS = {2: "fl_transpose16", 4: "fl_transpose32", 8: "fl_transpose64"}
 
 
-def _cpu_identity() -> str:
-    """What a `-march=native` binary depends on: the machine and its CPU's model and flags."""
-    ident = platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            ident += "".join(line for line in f if line.startswith(("flags", "model name", "Features")))
-    except OSError:
-        pass
-    return ident
-
-
-def _cache_dir() -> Path:
-    root = os.environ.get("FURLONG_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "furlong")
-    return Path(root) / "kernels"
-
-
-def _build(cc: str, out: Path) -> bool:
-    """Compile SOURCE into `out` (atomically: engines started together may build at once)."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
-        src, so = Path(tmp) / "blockcopy.c", Path(tmp) / out.name
-        src.write_text(SOURCE)
-        for flags in (["-march=native"], []):  # some compilers (or CPUs) refuse -march=native
-            cmd = [cc, "-O3", *flags, "-shared", "-fPIC", "-o", str(so), str(src)]
-            try:
-                done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
-            except (OSError, subprocess.TimeoutExpired) as exc:
-                log.info("blockcopy: %s failed (%s); weight syncs use PyTorch's copy", cc, exc)
-                return False
-            if done.returncode == 0:
-                os.replace(so, out)
-                return True
-        log.info(
-            "blockcopy: %s could not build the kernel (%s); weight syncs use PyTorch's copy", cc, done.stderr[-300:]
-        )
-        return False
-
-
 @functools.cache
 def kernel() -> ctypes.CDLL | None:
     """The compiled kernel library, built on first use (None: no compiler, a failed build, or
-    `FURLONG_NATIVE_KERNELS=0`)."""
-    if os.environ.get("FURLONG_NATIVE_KERNELS", "1") == "0":
-        return None
-    cc = next((p for p in (os.environ.get("CC"), "cc", "gcc") if p and shutil.which(p)), None)
-    if cc is None:
-        log.info("blockcopy: no C compiler found; weight syncs use PyTorch's copy")
-        return None
-    key = hashlib.sha256(f"{SOURCE}\0{shutil.which(cc)}\0{_cpu_identity()}".encode()).hexdigest()[:16]
-    path = _cache_dir() / f"blockcopy-{key}.so"
-    try:
-        if not path.exists() and not _build(cc, path):
-            return None
-        lib = ctypes.CDLL(str(path))
-    except OSError as exc:
-        log.info("blockcopy: cannot load %s (%s); weight syncs use PyTorch's copy", path, exc)
+    `FURLONG_NATIVE_KERNELS=0`; `cbuild.load`)."""
+    lib = cbuild.load("blockcopy", SOURCE)
+    if lib is None:
         return None
     for name in _FUNCTIONS.values():
         getattr(lib, name).argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_long]
