@@ -143,6 +143,25 @@ void NAME(const T* q, const T* k, const T* v, const T* mask, T* out, long R, lon
           for (long j = 0; j < n; j++) { float e = fast_exp(si[j] - nm); e = si[j] == -INFINITY ? 0.0f : e; si[j] = e; tot += e; } \
           sm[i] += tot;                                                                                       \
         }                                                                                                     \
+        if (DC && DC % 16 == 0) {  /* two queries' accumulators held in registers over the block */         \
+          for (long i = 0; i < G; i += 2) {                                                                   \
+            long i1 = i + 1 < G ? i + 1 : i;                                                                  \
+            vf a[DC / 16 + 1], b[DC / 16 + 1];                                                                \
+            for (long c = 0; c < DC / 16; c++) { a[c] = ld_f32(acc + i * D + 16 * c); b[c] = (vf){0}; }      \
+            for (long j = 0; j < n; j++) {                                                                    \
+              float p0 = s[i * BL + j], p1 = i1 != i ? s[i1 * BL + j] : 0.0f;                                 \
+              p0 = p0 > 0.0f ? p0 : 0.0f; p1 = p1 > 0.0f ? p1 : 0.0f;  /* -inf: a block hidden whole */      \
+              if (p0 == 0.0f && p1 == 0.0f) continue;                                                         \
+              const T* vr = vb + (l0 + j) * vs[2];                                                             \
+              for (long c = 0; c < DC / 16; c++) { vf x = LD(vr + 16 * c); a[c] += p0 * x; b[c] += p1 * x; }  \
+            }                                                                                                 \
+            for (long c = 0; c < DC / 16; c++) {                                                              \
+              memcpy(acc + i * D + 16 * c, &a[c], 64);                                                        \
+              if (i1 != i) { vf y = ld_f32(acc + i1 * D + 16 * c) + b[c]; memcpy(acc + i1 * D + 16 * c, &y, 64); } \
+            }                                                                                                 \
+          }                                                                                                   \
+          continue;                                                                                           \
+        }                                                                                                     \
         for (long j = 0; j < n; j++) {                                                                        \
           const T* vr = vb + (l0 + j) * vs[2];                                                                 \
           for (long i = 0; i < G; i++) {                                                                      \
