@@ -36,6 +36,7 @@ if TYPE_CHECKING:
     from furlong.engine.decode_rows import DecodePlan
 
 NATIVE_ARCHS = {"qwen2", "qwen3", "llama", "mistral", "qwen3_moe", "mixtral"}
+DYNAMIC_ROPE = {"dynamic", "longrope"}  # rotary scaling kinds whose frequencies follow the batch's longest position
 MOE_ARCHS = {"qwen3_moe", "mixtral"}  # top-k routed experts stored as [E, 2*ffn, hidden] / [E, hidden, ffn]
 
 
@@ -127,6 +128,7 @@ class NativeModel:
         self.k_pool = [torch.zeros(shape, dtype=dtype, device=device) for _ in self.layers]  # on the weights' device
         self.v_pool = [torch.zeros(shape, dtype=dtype, device=device) for _ in self.layers]
         self.is_moe = self.arch in MOE_ARCHS
+        self.rope_table = self._rope_table(num_blocks * block_size)
         self.attend_rows = pick_decode_attention(dtype, device, self.n_kv, self.n_heads // self.n_kv, self.head_dim)
         # oneDNN packing is a CPU kernel; on a GPU the forward multiplies by the HF weights themselves.
         self.linear, self._pack = onednn.pick_linear(dtype) if self.k_pool[0].is_cpu else (F.linear, lambda w: w)
@@ -262,8 +264,15 @@ class NativeModel:
 
     @staticmethod
     def _rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
-        """HF's `x * cos + rotate_half(x) * sin`, with rotate_half as a roll and its sign folded into sin."""
-        return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), sin_signed)
+        """HF's `x * cos + rotate_half(x) * sin`, each half computed from the halves of x, rotate_half's sign
+        folded into sin. Why not one `roll`: a compiled step gathers a rolled vector one element at a time
+        (the roll's index wraps inside the vector), which made the rotation the slowest part of its layer."""
+        half = x.shape[-1] // 2
+        lo, hi = x[..., :half], x[..., half:]
+        return torch.cat(
+            (lo * cos[..., :half] + hi * sin_signed[..., :half], hi * cos[..., half:] + lo * sin_signed[..., half:]),
+            dim=-1,
+        )
 
     @functools.cached_property
     def experts_kind(self) -> str:
@@ -296,11 +305,34 @@ class NativeModel:
 
     def _embed(self, ids: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(hidden [T, H], cos, signed sin [T, 1, hd]) of the tokens at `positions`."""
-        m = self.hf.model
-        x = m.embed_tokens(ids)
-        cos, sin = m.rotary_emb(x[None], positions[None])
+        x = self.hf.model.embed_tokens(ids)
+        if self.rope_table is not None:
+            cos, sin = self.rope_table
+            return x, cos.index_select(0, positions), sin.index_select(0, positions)
+        return (x, *self._rotary(positions, x.dtype))
+
+    def _rotary(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and signed sin [T, 1, hd] at `positions`, by the HF model's own rotary module (its scaling kind)."""
+        probe = torch.empty(1, 1, self.head_dim, dtype=dtype, device=positions.device)  # only its dtype is read
+        cos, sin = self.hf.model.rotary_emb(probe, positions[None])
         half = self.head_dim // 2
-        return x, cos[0, :, None, :], torch.cat((-sin[0, :, None, :half], sin[0, :, None, half:]), dim=-1)
+        return cos[0, :, None, :], torch.cat((-sin[0, :, None, :half], sin[0, :, None, half:]), dim=-1)
+
+    def _rope_table(self, pool_tokens: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """cos and signed sin [P, 1, hd] of every position a sequence can reach (the model's positions, at most
+        the pool's tokens), computed once by the same rotary module; None where its frequencies depend on the
+        batch's longest position (dynamic and longrope scaling), which a table fixed in advance cannot follow.
+
+        Why: inside a compiled step Inductor inlines the pointwise cos(position x frequency) into every consumer,
+        so each layer evaluated a cosine for every element of q and k (~45 us a layer of a 32-row bf16 decode
+        step, 550-680 us of a 758-token prefill, 2 threads; `benchmarks/RESULTS.md`, round 23). A table makes it
+        a load, and its values are the ones the rotary module computes for those positions."""
+        kind = getattr(self.hf.model.rotary_emb, "rope_type", None)
+        if not isinstance(kind, str) or kind in DYNAMIC_ROPE:
+            return None
+        P = min(int(getattr(self.cfg, "max_position_embeddings", pool_tokens)), pool_tokens)
+        dtype, device = self.k_pool[0].dtype, self.k_pool[0].device
+        return self._rotary(torch.arange(P, device=device), dtype)
 
     def _qkv(self, li: int, x: torch.Tensor, cos, sin) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Layer `li`'s normed, projected, (q/k-normed) and rotated q [T, H, hd], k and v [T, kv, hd]."""

@@ -106,6 +106,11 @@ void NAME(const T* q, const T* k, const T* v, const T* mask, T* out, long R, lon
         for (long j = 0; j < n; j++) {                                                                        \
           const T* kr = kb + (l0 + j) * ks[2];                                                                 \
           if (DC && DC % 16 == 0) {  /* the key row widened once, two queries a pass, tree sums */           \
+            /* rows come from memory (a step reads every layer's once): fetch keys 16 columns ahead, and this \
+               column's values, which the values pass reads right after this block */                          \
+            for (long c = 0; c < DC * (long)sizeof(T); c += 64) {                                             \
+              __builtin_prefetch((const char*)(kr + 16 * ks[2]) + c);                                          \
+              __builtin_prefetch((const char*)(vb + (l0 + j) * vs[2]) + c); }                                 \
             vf kv[DC / 16 + 1];                                                                               \
             for (long c = 0; c < DC / 16; c++) kv[c] = LD(kr + 16 * c);                                       \
             for (long i = 0; i < G; i += 2) {                                                                 \

@@ -190,3 +190,35 @@ def test_native_path_reads_attention_and_mlp_biases(tmp_path) -> None:
         assert max(abs(a - b) for a, b in zip(want, r.output_logprobs)) < 1e-4
     finally:
         engine.stop()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_native_rotation_is_hfs_bit_for_bit_from_a_table_where_the_scaling_allows(dtype) -> None:
+    """The native forward's rotary cos/sin come from a table of every position the pool can hold (built by the
+    HF rotary module) unless the scaling follows the batch (dynamic), and its rotation of q and k equals HF's
+    `apply_rotary_pos_emb` exactly, in fp32 and bf16, whatever the scaling kind."""
+    from transformers import AutoModelForCausalLM
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    from furlong.engine.model import build_model
+    from furlong.models.factory import SIZES, hf_config
+
+    pos = torch.tensor([0, 3, 17, 31, 5])
+    for kind in ("default", "linear", "dynamic"):
+        cfg = hf_config("llama", SIZES["tiny"])
+        if kind != "default":
+            cfg.rope_parameters = {**cfg.rope_parameters, "rope_type": kind, "factor": 2.0}
+        torch.manual_seed(0)
+        hf = AutoModelForCausalLM.from_config(cfg).to(dtype).eval()
+        m = build_model(hf, 8, 4, "native")  # a pool of 32 tokens: positions 0-31
+        if kind == "dynamic":
+            assert m.rope_table is None
+        else:
+            assert m.rope_table[0].shape == (32, 1, m.head_dim) and m.rope_table[0].dtype == dtype
+        x, cos, sin = m._embed(torch.arange(5), pos)
+        q, k = torch.randn(5, m.n_heads, m.head_dim).to(dtype), torch.randn(5, m.n_kv, m.head_dim).to(dtype)
+        want_q, want_k = apply_rotary_pos_emb(
+            q.transpose(0, 1)[None], k.transpose(0, 1)[None], *hf.model.rotary_emb(x[None], pos[None])
+        )
+        assert torch.equal(m._rope(q, cos, sin), want_q[0].transpose(0, 1)), kind
+        assert torch.equal(m._rope(k, cos, sin), want_k[0].transpose(0, 1)), kind
