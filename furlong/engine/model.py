@@ -324,9 +324,9 @@ class NativeModel:
         batch's longest position (dynamic and longrope scaling), which a table fixed in advance cannot follow.
 
         Why: inside a compiled step Inductor inlines the pointwise cos(position x frequency) into every consumer,
-        so each layer evaluated a cosine for every element of q and k (~45 us a layer of a 32-row bf16 decode
-        step, 550-680 us of a 758-token prefill, 2 threads; `benchmarks/RESULTS.md`, round 23). A table makes it
-        a load, and its values are the ones the rotary module computes for those positions."""
+        so each layer evaluated a cosine for every element of q and k; a table makes it a load (1.3% of a 32-row
+        bf16 decode step, 2 threads, interleaved A/B; `benchmarks/RESULTS.md`, round 23), and its values are the
+        ones the rotary module computes for those positions."""
         kind = getattr(self.hf.model.rotary_emb, "rope_type", None)
         if not isinstance(kind, str) or kind in DYNAMIC_ROPE:
             return None
