@@ -33,6 +33,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from furlong.engine import eager_ops
+
 if TYPE_CHECKING:
     from furlong.engine.model import NativeModel
 
@@ -55,15 +57,14 @@ def out_features(m: NativeModel, key: str) -> int:
     return src[0].shape[0] if src is not None else m.w[key].layer.out_features  # a QuantProj's QuantLinear
 
 
-@torch.library.custom_op("furlong::proj", mutates_args=())
+def _proj_shape(x: torch.Tensor, model: str, key: str) -> torch.Tensor:
+    return x.new_empty(*x.shape[:-1], out_features(_MODELS[model], key))
+
+
+@eager_ops.op("proj", "(Tensor x, str model, str key) -> Tensor", fake=_proj_shape)
 def proj_op(x: torch.Tensor, model: str, key: str) -> torch.Tensor:
     """`NativeModel.proj(key, x)` of the model registered as `model`, run eagerly when the graph runs."""
     return _MODELS[model].proj(key, x)
-
-
-@proj_op.register_fake
-def _proj_shape(x: torch.Tensor, model: str, key: str) -> torch.Tensor:
-    return x.new_empty(*x.shape[:-1], out_features(_MODELS[model], key))
 
 
 def proj(m: NativeModel, key: str, x: torch.Tensor) -> torch.Tensor:
@@ -71,7 +72,11 @@ def proj(m: NativeModel, key: str, x: torch.Tensor) -> torch.Tensor:
     return proj_op(x, m.compile_id, key)
 
 
-@torch.library.custom_op("furlong::experts", mutates_args=())
+def _experts_shape(h: torch.Tensor, model: str, layer: int) -> torch.Tensor:
+    return torch.empty_like(h)
+
+
+@eager_ops.op("experts", "(Tensor h, str model, int layer) -> Tensor", fake=_experts_shape)
 def experts_op(h: torch.Tensor, model: str, layer: int) -> torch.Tensor:
     """Layer `layer`'s routed experts of the registered model (`engine.moe.moe`), run eagerly: their
     data-dependent grouping (tokens per expert) is what a traced graph cannot hold."""
@@ -79,11 +84,6 @@ def experts_op(h: torch.Tensor, model: str, layer: int) -> torch.Tensor:
 
     m = _MODELS[model]
     return moe(m.layers[layer].mlp, h, m.experts_kind)[0]
-
-
-@experts_op.register_fake
-def _experts_shape(h: torch.Tensor, model: str, layer: int) -> torch.Tensor:
-    return torch.empty_like(h)
 
 
 def experts(m: NativeModel, li: int, h: torch.Tensor) -> torch.Tensor:

@@ -26,7 +26,7 @@ import functools
 
 import torch
 
-from furlong.engine import cbuild
+from furlong.engine import cbuild, eager_ops
 
 SOURCE = r"""
 #include <stdint.h>
@@ -229,7 +229,13 @@ def _fits(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor)
     )
 
 
-@torch.library.custom_op("furlong::attend_rows", mutates_args=())
+def _attend_rows_shape(q, k, v, mask, scale):
+    return torch.empty_like(q, memory_format=torch.contiguous_format)
+
+
+@eager_ops.op(
+    "attend_rows", "(Tensor q, Tensor k, Tensor v, Tensor mask, float scale) -> Tensor", fake=_attend_rows_shape
+)
 def attend_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
     """[R, kv, G, hd] queries over [R, kv, L, hd] rows, additive mask broadcastable to [R, kv, G, L]; SDPA
     where the kernel is missing or cannot take these inputs."""
@@ -248,11 +254,6 @@ def attend_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.T
     strides = (ctypes.c_long * 20)(*q.stride(), *k.stride(), *v.stride(), *mst, H * G * D, G * D, D, 1)
     fn(q.data_ptr(), k.data_ptr(), v.data_ptr(), mask.data_ptr(), out.data_ptr(), R, H, G, L, D, strides, scale)
     return out
-
-
-@attend_rows.register_fake
-def _attend_rows_shape(q, k, v, mask, scale):
-    return torch.empty_like(q, memory_format=torch.contiguous_format)
 
 
 def native_rows(qd: torch.Tensor, kd: torch.Tensor, vd: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
