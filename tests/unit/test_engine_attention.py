@@ -56,6 +56,32 @@ def test_the_pick_is_measured_only_on_a_cpu_and_cached(monkeypatch):
     assert pick_decode_attention(torch.bfloat16, torch.device("cpu"), 2, 3, 16, rows=5, cols=10) is sdpa_rows
 
 
+def test_the_pick_times_rows_read_from_memory_not_one_cached_set(monkeypatch):
+    """Each probe round attends `COLD_ROWS_BYTES` of distinct rows, one set after another, as a decode step reads
+    every layer's rows once: a probe on one set that stayed in the cache called SDPA and the C kernel even on
+    the AMX Xeon, where inside the step the kernel was ~3x faster, so the pick fell either way."""
+    from furlong.engine import attention
+
+    rows, n_kv, cap, hd = 4, 2, 10 + 32, 16
+    set_bytes = 2 * rows * n_kv * cap * hd * 4  # keys and values of one set, fp32
+    monkeypatch.setattr(attention, "COLD_ROWS_BYTES", 5 * set_bytes)
+    reads: list[tuple[int, int]] = []
+
+    def probe(qd, kd, vd, mask, scale):
+        reads.append((kd.data_ptr(), vd.data_ptr()))
+        return sdpa_rows(qd, kd, vd, mask, scale)
+
+    monkeypatch.setattr(attention, "sdpa_rows", probe)
+    assert attention.pick_decode_attention.__wrapped__(torch.float32, torch.device("cpu"), n_kv, 3, hd, rows, 10) in (
+        probe,
+        bmm_rows,
+        native_rows,
+    )
+    assert len(reads) == 8 * 5  # eight rounds of five sets
+    assert len(set(reads[:5])) == 5 and reads[5:10] == reads[:5]  # distinct memory within a round, the same each round
+    assert len({p for kv in reads[:5] for p in kv}) == 10  # keys and values of every set are their own
+
+
 def reference(q, k, v, mask, scale):
     """The attention in float64: what every kernel approximates."""
     return torch.nn.functional.scaled_dot_product_attention(
