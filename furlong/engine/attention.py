@@ -113,16 +113,16 @@ def pick_decode_attention(
     kernel builds) on this machine, timed once on a decode step's shapes.
 
     Which one wins depends on the CPU (see each one's docstring), so it is measured rather than
-    assumed: eight interleaved rounds each, the best of the last six kept. Each round attends
+    assumed: four interleaved rounds each, the best of the last three kept. Each round attends
     `COLD_ROWS_BYTES` of distinct rows, one set after another, as a step reads every layer's rows once:
     timed on one set that stays in the cache, SDPA and the C kernel came out even on the 2-vCPU Xeon
     with AMX (~220 us a call each), while inside the engine's bf16 decode step SDPA took ~450 us a layer
     and the kernel ~140 (a step of 12.5 against 9.9 ms, so a pick that fell to SDPA cost 25%); over
-    128 MiB of rows the probe reads them as the step does (SDPA ~470 us, the kernel ~290). ~0.1-0.3 s
-    in all, once. Off the CPU, or in a dtype only SDPA computes, SDPA (`sdpa_rows` says why). All
-    compute the same attention; they differ in summation order and exp only (fp32 ~1e-6; bf16 within
-    one rounding of the output). Measured once per process and shapes (cached), so every model a
-    process loads computes the same way."""
+    128 MiB of rows the probe reads them as the step does (SDPA ~470 us, the kernel ~290). It adds
+    0.1-0.3 s to a model's load on one thread (m25, fp32 and bf16). Off the CPU, or in a dtype only
+    SDPA computes, SDPA (`sdpa_rows` says why). All compute the same attention; they differ in
+    summation order and exp only (fp32 ~1e-6; bf16 within one rounding of the output). Measured once
+    per process and shapes (cached), so every model a process loads computes the same way."""
     from furlong.engine import rows_kernel
 
     best = {sdpa_rows: float("inf")}
@@ -140,12 +140,12 @@ def pick_decode_attention(
     n_sets = max(1, min(MAX_SETS, COLD_ROWS_BYTES // (2 * k.numel() * k.element_size())))
     sets = [(k.clone()[:, :, :cols], v.clone()[:, :, :cols]) for _ in range(n_sets)]  # same values, new memory
     with torch.inference_mode():
-        for i in range(8):  # the first two rounds warm up (allocator, thread pool) and are not counted
+        for i in range(4):  # the first round warms up (allocator, thread pool) and is not counted
             for fn in best:
                 t0 = time.perf_counter()
                 for ks, vs in sets:
                     fn(q, ks, vs, mask, head_dim**-0.5)
-                best[fn] = min(best[fn], time.perf_counter() - t0) if i >= 2 else best[fn]
+                best[fn] = min(best[fn], time.perf_counter() - t0) if i >= 1 else best[fn]
     return min(best, key=best.__getitem__)
 
 
