@@ -21,6 +21,15 @@ in_git=0; git rev-parse --is-inside-work-tree >/dev/null 2>&1 && in_git=1
 # such as a shared chaos run stay shared), each worker's processes get one thread so two workers do not
 # oversubscribe the cores. Files go out in collection order (tests/conftest.py puts the longest first), not
 # xdist's default of files with the most tests first, which left the longest run alone at the end.
+# With FURLONG_BUILD_ENVS=1 (`make test`) the connectors' virtual environments that are missing build in the
+# background while the suite runs: the builds wait mostly on the package index, and a first build of the four
+# took ~2.5 min that the suite used to wait through. The tests marked `envs` run last (tests/conftest.py), and
+# each takes its environment through `venvs.ensure`, which waits on the build's lock (or builds it itself).
+envs_pid=""
+if [ "${FURLONG_BUILD_ENVS:-0}" = 1 ]; then
+  .venv/bin/furlong envs setup --all >.reports/envs.log 2>&1 &
+  envs_pid=$!
+fi
 workers=${FURLONG_TEST_WORKERS:-2}
 par=()
 if [ "$workers" -gt 1 ] && .venv/bin/python -c "import xdist" 2>/dev/null; then
@@ -32,6 +41,9 @@ if [ "$in_git" -eq 1 ] && [ "$(tracked)" != "$before" ]; then
   echo "FAIL: the suite modified tracked files (a test must write under tmp_path, not the working tree):" >&2
   git status --porcelain --untracked-files=no >&2
   exit 1
+fi
+if [ -n "$envs_pid" ] && ! wait "$envs_pid"; then
+  echo "FAIL: furlong envs setup --all (.reports/envs.log):" >&2; tail -n 20 .reports/envs.log >&2; exit 1
 fi
 if [ "$rc" -eq 5 ]; then echo "FAIL: pytest ran no tests" >&2; exit 1; fi
 if [ "$rc" -ne 0 ]; then exit "$rc"; fi

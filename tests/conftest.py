@@ -58,12 +58,14 @@ def pytest_collection_modifyitems(config, items):
     """Files with a `slow` test first, the one with the largest pytest timeout first among them (the
     timeout is the best duration estimate collection has), each file kept whole. With `-n 2 --dist loadfile
     --no-loadscope-reorder` (scripts/run-tests.sh) the longest runs start at once on both workers instead
-    of leaving one worker a long tail at the end (xdist's default reorder puts files with many tests first)."""
+    of leaving one worker a long tail at the end (xdist's default reorder puts files with many tests first).
+    Files marked `envs` go last of all: `make test` builds their connectors' environments while the rest runs."""
 
     def file_of(item) -> str:
         return item.nodeid.split("::")[0]
 
     slow_files = {file_of(item) for item in items if item.get_closest_marker("slow")}
+    env_files = {file_of(item) for item in items if item.get_closest_marker("envs")}
     longest: dict[str, float] = {}
     for item in items:
         mark = item.get_closest_marker("timeout")
@@ -75,6 +77,7 @@ def pytest_collection_modifyitems(config, items):
         first.setdefault(file_of(item), order[id(item)])
     items.sort(
         key=lambda item: (
+            file_of(item) in env_files,
             file_of(item) not in slow_files,
             -longest[file_of(item)] if file_of(item) in slow_files else 0.0,
             first[file_of(item)],

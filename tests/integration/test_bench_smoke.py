@@ -146,7 +146,9 @@ def test_http_overhead_smoke() -> None:
 def test_agent_turns_smoke() -> None:
     """Both configurations run the agent work; only the rows one takes mixed steps over the rows (the script
     refuses to print a ratio otherwise), and each reports engine seconds in both kinds of step."""
-    lines = run_script("agent_turns.py", ("--runs", "1", "--batches", "1", "--episodes", "8", "--turns", "3"))
+    lines = run_script(
+        "agent_turns.py", ("--size", "tiny", "--runs", "1", "--batches", "1", "--episodes", "8", "--turns", "3")
+    )
     for mode in ("eager", "rows"):
         row = [re.match(rf"{mode}\s+{FLOAT}\s+{FLOAT}\s+{FLOAT}$", x) for x in lines]
         assert any(m and all(float(m.group(i)) > 0 for i in (1, 2, 3)) for m in row), (mode, lines)

@@ -48,6 +48,8 @@ from tests.helpers import engine_process
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
 from envs_scripted_engine import Script, Turn  # noqa: E402
 
+pytestmark = pytest.mark.envs  # its connector's environment: built in the background by `make test`, so run last
+
 ROOT = Path(__file__).resolve().parents[2]
 TASKS = ROOT / "examples" / "connectors" / "harbor_tasks"
 

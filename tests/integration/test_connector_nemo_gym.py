@@ -39,6 +39,8 @@ from furlong.models import load_tokenizer
 from furlong.rollout.manager import RolloutManager
 from tests.helpers import engine_process
 
+pytestmark = pytest.mark.envs  # its connector's environment: built in the background by `make test`, so run last
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -62,7 +64,7 @@ def sessions(engine, tok):
 
 @pytest.fixture(scope="module")
 def rows():
-    ensure(nemo_gym.SPEC)  # built by `make envs`; a no-op when cached
+    ensure(nemo_gym.SPEC)  # built by `make envs`, or beside the suite by `make test`; a no-op when cached
     return nemo_gym.rows()
 
 

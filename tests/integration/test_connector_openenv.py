@@ -41,6 +41,8 @@ from furlong.models import load_tokenizer
 from furlong.rollout.generate import RolloutContext, derive_seed
 from tests.helpers import engine_process
 
+pytestmark = pytest.mark.envs  # its connector's environment: built in the background by `make test`, so run last
+
 ROOT = Path(__file__).resolve().parents[2]
 TOKEN = "openenv-test-token"
 TURNS, BUDGET = 3, 96

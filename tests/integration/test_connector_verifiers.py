@@ -43,6 +43,8 @@ from furlong.models import load_tokenizer
 from furlong.rollout.manager import RolloutManager
 from tests.helpers import engine_process
 
+pytestmark = pytest.mark.envs  # its connector's environment: built in the background by `make test`, so run last
+
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples" / "connectors"
 TASKSET = "furlong-reverse-words"
